@@ -1,0 +1,154 @@
+"""Baking the template: the files it writes, the names it refuses, and the project's own tests."""
+
+import os
+import py_compile
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from conftest import TEMPLATE, bake
+from cookiecutter.exceptions import FailedHookException
+
+COMMON = {
+    ".gitignore",
+    "README.md",
+    "config.yaml",
+    "main.py",
+    "pyproject.toml",
+    "ddp_digits/__init__.py",
+    "ddp_digits/data.py",
+    "ddp_digits/digits.csv.gz",
+    "ddp_digits/model.py",
+    "ddp_digits/module.py",
+    "ddp_digits/sampling.py",
+    "tests/helpers.py",
+    "tests/test_cli.py",
+    "tests/test_data.py",
+    "tests/test_module.py",
+    "tests/test_sampling.py",
+}
+WORKFLOW = ".github/workflows/tests.yml"
+
+
+def files(project: Path) -> set[str]:
+    return {str(p.relative_to(project)) for p in project.rglob("*") if p.is_file()}
+
+
+def run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; kill the whole group on timeout."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def test_default_bake_writes_exactly_the_expected_files(default_project):
+    """Defaults give the slug directory with the package, tests, data and CI workflow."""
+    assert default_project.name == "ddp-digits"
+    assert files(default_project) == COMMON | {WORKFLOW}
+
+
+def test_without_github_actions_the_workflow_is_removed(tmp_path):
+    """github_actions=no leaves no .github directory and nothing else missing."""
+    project = bake(tmp_path, github_actions="no")
+    assert files(project) == COMMON
+    assert not (project / ".github").exists()
+
+
+def test_custom_names_reach_paths_and_imports(tmp_path):
+    """A custom slug and package name rename the directory, the package and its imports."""
+    project = bake(tmp_path, project_name="Fancy Net", package_name="fancy")
+    assert project.name == "fancy-net"
+    assert (project / "fancy" / "module.py").is_file()
+    assert "class_path: fancy.module.DigitsClassifier" in (project / "config.yaml").read_text()
+    assert "from fancy.sampling import" in (project / "tests/test_sampling.py").read_text()
+
+
+def test_no_template_syntax_left(default_project):
+    """No `{{`, `{%` or `cookiecutter` remains in any generated text file."""
+    for path in default_project.rglob("*"):
+        if path.is_file() and path.suffix != ".gz":
+            text = path.read_text()
+            assert "{{" not in text and "{%" not in text and "cookiecutter" not in text, path
+
+
+def test_every_python_file_compiles(default_project, tmp_path):
+    """Each generated .py file is valid Python."""
+    for path in default_project.rglob("*.py"):
+        py_compile.compile(str(path), cfile=str(tmp_path / "x.pyc"), doraise=True)
+
+
+def test_generated_project_passes_ruff(default_project):
+    """ruff check and ruff format --check find nothing, with the project's own config."""
+    for cmd in (["ruff", "check", "."], ["ruff", "format", "--check", "."]):
+        result = run([sys.executable, "-m", *cmd], default_project, timeout=60)
+        assert result.returncode == 0, result.stdout
+
+
+def test_pyproject_declares_dependencies(default_project):
+    """pyproject.toml is PEP 621 with the five runtime packages and a dev extra."""
+    meta = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("[")[0] for d in meta["dependencies"]}
+    assert names == {"torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse"}
+    assert {d.split(">")[0] for d in meta["optional-dependencies"]["dev"]} == {"pytest", "ruff"}
+
+
+BAD_NAMES = [
+    ({"project_slug": "1project"}, "project_slug '1project' is not a valid distribution name"),
+    ({"project_slug": "my project"}, "project_slug 'my project' is not a valid distribution name"),
+    ({"package_name": "my-pkg"}, "package_name 'my-pkg' is not an importable name"),
+    ({"package_name": "9lives"}, "package_name '9lives' is not an importable name"),
+    ({"package_name": "class"}, "package_name 'class' is a Python keyword"),
+    ({"package_name": "torch"}, "package_name 'torch' would shadow"),
+    ({"package_name": "lightning"}, "package_name 'lightning' would shadow"),
+    ({"package_name": "json"}, "package_name 'json' would shadow"),
+]
+
+
+@pytest.mark.parametrize(("context", "message"), BAD_NAMES)
+def test_bad_names_are_refused_and_nothing_is_written(tmp_path, capfd, context, message):
+    """An invalid name stops the bake with a one-line message and leaves no files behind."""
+    with pytest.raises(FailedHookException):
+        bake(tmp_path, **context)
+    err = capfd.readouterr().err
+    assert f"ERROR: {message}" in err and err.strip().count("\n") == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+HOSTILE = 'Evil "quotes" \'\'\' """ \\ {% raw %}{{ 7*7 }} {% endraw %}\nsecond line'
+
+
+def test_hostile_answers_stay_data(tmp_path):
+    """Quotes, backslashes, triple quotes, braces and newlines reach the files verbatim, never as code."""
+    literal = HOSTILE.replace("{% raw %}", "").replace("{% endraw %}", "")
+    project = bake(tmp_path, project_name=HOSTILE, project_slug="evil", package_name="evil",
+                   description=HOSTILE, author_name=HOSTILE)
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert meta["description"] == literal and meta["authors"] == [{"name": literal}]
+    assert (project / "README.md").read_text().startswith(f"# {literal}\n")
+    for path in project.rglob("*.py"):
+        py_compile.compile(str(path), cfile=str(tmp_path / "x.pyc"), doraise=True)
+
+
+def test_cookiecutter_command_line_no_input(tmp_path):
+    """The real `cookiecutter --no-input` command bakes with key=value overrides."""
+    result = run(["cookiecutter", "--no-input", str(TEMPLATE), "-o", str(tmp_path), "project_name=Cli Made"],
+                 tmp_path, timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert (tmp_path / "cli-made" / "cli_made" / "module.py").is_file()
+
+
+def test_generated_test_suite_passes(default_project):
+    """The baked project's own pytest suite passes (unit tests and real DDP runs)."""
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], default_project, timeout=900)
+    print(result.stdout[-3000:])
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout

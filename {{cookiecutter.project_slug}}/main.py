@@ -1,0 +1,30 @@
+"""Train, evaluate or predict: `python main.py {fit,validate,test,predict} --help`.
+
+Model and data are chosen by class path in config.yaml or on the command line
+(`--model my_model.MyModule`, `--data my_data.MyData`), so your own modules live
+in their own files and this one never changes.
+"""
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+DEFAULT_CONFIG = str(Path(__file__).with_name("config.yaml"))
+
+
+def main(args: list[str] | None = None) -> None:
+    LightningCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_kwargs={
+            cmd: {"default_config_files": [DEFAULT_CONFIG]} for cmd in ("fit", "validate", "test", "predict")
+        },
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

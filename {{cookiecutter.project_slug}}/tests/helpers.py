@@ -1,0 +1,42 @@
+"""Run `main.py` in a subprocess with a hard timeout, as the tests and users' own checks do."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+MAIN = PROJECT / "main.py"
+
+
+def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python main.py *args`; on timeout kill every process it started, then fail.
+
+    The run gets its own session, so the DDP ranks it launches share one process
+    group and a hang ends with all of them killed instead of blocking the suite.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, str(MAIN), *args],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
+    """Like `run_main`, but fail with the tail of the output unless it exits 0; return the output."""
+    result = run_main(*args, cwd=cwd, timeout=timeout, env=env)
+    assert result.returncode == 0, f"main.py {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    return result.stdout

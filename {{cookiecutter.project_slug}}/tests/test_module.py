@@ -1,0 +1,32 @@
+"""The LightningModule's math, without any Trainer or devices."""
+
+import torch
+
+from {{ cookiecutter.package_name }}.data import load_digits
+from {{ cookiecutter.package_name }}.module import DigitsClassifier
+
+
+def test_forward_shape_and_hparams():
+    """Logits are (batch, 10); constructor arguments are saved for checkpoints."""
+    module = DigitsClassifier(hidden_dim=32, num_layers=3)
+    assert module(torch.zeros(5, 64)).shape == (5, 10)
+    assert module.hparams.hidden_dim == 32 and module.hparams.num_layers == 3
+    assert sum(isinstance(m, torch.nn.Linear) for m in module.modules()) == 4
+
+
+def test_model_learns_a_batch():
+    """Plain optimizer steps on 128 digits bring the loss from ~2.3 below 0.05."""
+    torch.manual_seed(0)
+    module = DigitsClassifier()
+    x, y = load_digits().tensors
+    x, y = x[:128], y[:128]
+    optimizer = module.configure_optimizers()
+    first = None
+    for _ in range(200):
+        loss = torch.nn.functional.cross_entropy(module(x), y)
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert 2.0 < first < 2.6
+    assert loss.item() < 0.05

@@ -1,0 +1,68 @@
+"""The training sampler gives N devices the same global batches as 1 device."""
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from {{ cookiecutter.package_name }}.sampling import GlobalBatchSampler, eval_sampler
+
+DATA = TensorDataset(torch.arange(103))
+
+
+def global_batches(world: int, global_batch: int = 8, epoch: int = 0, seed: int = 7) -> list[list[int]]:
+    """The epoch's global batches, assembled from what each of `world` ranks yields."""
+    per_rank = []
+    for rank in range(world):
+        sampler = GlobalBatchSampler(DATA, global_batch, num_replicas=world, rank=rank, seed=seed)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    per_device = global_batch // world
+    steps = len(per_rank[0]) // per_device
+    return [sum((r[s * per_device : (s + 1) * per_device] for r in per_rank), []) for s in range(steps)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_global_batches_equal_one_device(world):
+    """Step k's samples on N ranks, put together, are step k's samples on 1 device."""
+    assert global_batches(world) == global_batches(1)
+
+
+def test_epoch_covers_each_sample_at_most_once_and_drops_only_the_tail():
+    """An epoch has 103 // 8 = 12 full global batches of distinct samples."""
+    batches = global_batches(2)
+    flat = sum(batches, [])
+    assert len(batches) == 12 and all(len(b) == 8 for b in batches)
+    assert len(set(flat)) == 96
+
+
+def test_ranks_get_disjoint_shards():
+    """No sample goes to two ranks in the same epoch."""
+    shards = [set(GlobalBatchSampler(DATA, 8, num_replicas=2, rank=r, seed=7)) for r in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 48 and not shards[0] & shards[1]
+
+
+def test_set_epoch_reshuffles_and_seed_reproduces():
+    """A new epoch gives a new order; the same seed and epoch give the same order."""
+    assert global_batches(2, epoch=0) != global_batches(2, epoch=1)
+    assert global_batches(2, epoch=1) == global_batches(2, epoch=1)
+    assert global_batches(2, seed=1) != global_batches(2, seed=2)
+
+
+def test_indivisible_global_batch_is_refused():
+    """A global batch that does not split evenly over the ranks fails with a usable message."""
+    with pytest.raises(ValueError, match="global_batch_size=10 does not divide evenly over 4 processes"):
+        GlobalBatchSampler(DATA, 10, num_replicas=4, rank=0)
+
+
+def test_global_batch_larger_than_dataset_is_refused():
+    """A global batch with no full step in an epoch fails instead of training on nothing."""
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        GlobalBatchSampler(DATA, 128, num_replicas=1, rank=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_eval_sampler_sees_every_sample_once(world):
+    """Evaluation shards cover the set exactly, with no padded duplicates (359 is odd)."""
+    data = TensorDataset(torch.arange(359))
+    shards = [list(eval_sampler(data, world, rank)) for rank in range(world)]
+    assert sorted(sum(shards, [])) == list(range(359))

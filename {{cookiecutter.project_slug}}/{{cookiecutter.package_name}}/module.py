@@ -1,0 +1,101 @@
+"""The LightningModule: loss, metrics and optimizer around the plain `MLP`.
+
+Nothing here knows how many devices there are. The Trainer's strategy wraps
+the model in DDP; torchmetrics states are summed over ranks when computed, so
+validation and test numbers count every sample exactly once on any world size.
+"""
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from .model import MLP
+
+
+class DigitsClassifier(L.LightningModule):
+    """Classifies 8x8 digit images.
+
+    Args:
+        hidden_dim: Width of each hidden layer.
+        num_layers: Number of hidden layers.
+        lr: AdamW learning rate (for the global batch; it does not change with the device count).
+        weight_decay: AdamW weight decay.
+        in_features: Pixels per image.
+        num_classes: Number of labels.
+    """
+
+    def __init__(
+        self,
+        hidden_dim: int = 128,
+        num_layers: int = 2,
+        lr: float = 3e-3,
+        weight_decay: float = 1e-4,
+        in_features: int = 64,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        # Plain attributes, not self.hparams: a subclass with its own __init__ saves only its own arguments.
+        self.lr, self.weight_decay = lr, weight_decay
+        self.model = MLP(in_features, hidden_dim, num_layers, num_classes)
+        # One metric object per stage: their states are reset and synced independently.
+        # nan_strategy="disable": a NaN loss must show as NaN, and the default NaN check costs a
+        # device-to-host sync on every update.
+        self.train_loss = MeanMetric(nan_strategy="disable")
+        self.val_loss, self.val_acc = (
+            MeanMetric(nan_strategy="disable"),
+            MulticlassAccuracy(num_classes, average="micro"),
+        )
+        self.test_loss, self.test_acc = (
+            MeanMetric(nan_strategy="disable"),
+            MulticlassAccuracy(num_classes, average="micro"),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.train_loss.update(loss.detach())  # every training batch has the same size
+        if self._writes_logs_this_step():
+            # Every rank holds the same number of samples, so the mean of the ranks' means is the
+            # global loss. The all-reduce runs only on steps the logger writes, not on every step.
+            self.log("train/loss", loss.detach(), sync_dist=True, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        # Lightning computes (one sync over ranks) and resets the metric: the epoch's global mean loss.
+        self.log("train/loss_epoch", self.train_loss)
+
+    def _writes_logs_this_step(self) -> bool:
+        # Lightning writes step metrics when (steps so far + 1) is a multiple of log_every_n_steps.
+        trainer = self.trainer
+        return trainer.logger is not None and (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+
+    def _evaluate(
+        self, batch: tuple[Tensor, Tensor], loss_metric: MeanMetric, acc_metric: MulticlassAccuracy, stage: str
+    ) -> None:
+        x, y = batch
+        logits = self(x)
+        # Per-sample losses: the mean over the whole set, whatever the batch and rank sizes.
+        loss_metric.update(F.cross_entropy(logits, y, reduction="none"))
+        acc_metric.update(logits, y)
+        # Logging the metric objects lets Lightning call compute() (one sync) at the end of the epoch.
+        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True)
+        self.log(f"{stage}/acc", acc_metric, on_step=False, on_epoch=True, prog_bar=stage == "val")
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.val_loss, self.val_acc, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.test_loss, self.test_acc, "test")
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
