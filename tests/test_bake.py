@@ -23,11 +23,14 @@ COMMON = {
     "ddp_digits/digits.csv.gz",
     "ddp_digits/model.py",
     "ddp_digits/module.py",
+    "ddp_digits/parity.py",
     "ddp_digits/sampling.py",
     "tests/helpers.py",
+    "tests/parity_probe.py",
     "tests/test_cli.py",
     "tests/test_data.py",
     "tests/test_module.py",
+    "tests/test_parity.py",
     "tests/test_sampling.py",
 }
 WORKFLOW = ".github/workflows/tests.yml"
