@@ -22,7 +22,8 @@ import pytest
 import torch
 from helpers import MAIN, finish, kill, start
 
-from {{ cookiecutter.package_name }}.parity import load_weights, read_scalars, report, scalar_diffs, weight_diffs
+from {{ cookiecutter.package_name }}.parity import diff, load_weights, read_scalars, report, scalar_diffs, weight_diffs
+from {{ cookiecutter.package_name }}.parity import main as compare_main
 
 TESTS = Path(__file__).resolve().parent
 # The bundled digits: 1,079 training samples give 16 global batches of 64 per epoch (the tail is dropped);
@@ -278,6 +279,24 @@ def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs):
     assert_weights_close(cpu_runs["1dev-fp64"], torchrun, BOUNDS["cpu", "64-true"])
     assert_weights_close(cpu_runs["2dev-fp64"], torchrun, BOUNDS["cpu", "64-true"])
     assert_scalars_close(cpu_runs["1dev-fp64"], torchrun, FLOAT32_STORAGE)
+
+
+def test_diff_is_relative_to_the_tensor_scale_and_nan_never_passes():
+    """max_rel divides by the reference's largest entry, so a near-zero entry cannot inflate it."""
+    d = diff("w", torch.tensor([2.0, 1e-9]), torch.tensor([2.0, 2e-9]))
+    assert d.max_abs == pytest.approx(1e-9) and d.max_rel == pytest.approx(5e-10)
+    assert not diff("w", torch.ones(2), torch.tensor([1.0, float("nan")])).max_rel <= 1.0
+    with pytest.raises(ValueError, match=r"shape \(2,\) vs \(3,\)"):
+        diff("w", torch.ones(2), torch.ones(3))
+
+
+def test_compare_command_passes_and_fails_on_its_bound(cpu_runs, capsys):
+    """`python -m <package>.parity A B` prints the worst tensors and exits 1 above --rel-tol."""
+    one, two = (str(cpu_runs[n].version) for n in ("1dev-fp32", "2dev-fp32"))
+    assert compare_main([one, two, "--rel-tol", "1e-5"]) == 0
+    assert compare_main([one, two, "--rel-tol", "1e-9"]) == 1
+    out = capsys.readouterr().out
+    assert "model.net.0.weight" in out and "train/loss" in out and out.count("FAIL") == 1
 
 
 GPUS = torch.cuda.device_count()
