@@ -101,7 +101,8 @@ def run_all(commands: dict[str, list[str]], base: Path, timeout: float = 420) ->
     """Run the commands at once, each in base/<name>, within `timeout` seconds for all; fail (and kill
     the rest) on any non-zero exit."""
     # PYTHONPATH: main.py imports the probe from tests/. One thread per process: runs share the cores.
-    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
     procs = {}
     try:
         for name, cmd in commands.items():
