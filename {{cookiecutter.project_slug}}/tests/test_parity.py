@@ -294,7 +294,8 @@ def test_compare_command_passes_and_fails_on_its_bound(cpu_runs, capsys):
     assert compare_main([fp32, fp32, "--rel-tol", "0"]) == 0
     assert compare_main([fp64, fp32, "--rel-tol", "1e-9"]) == 1  # float32 vs float64 training: ~1e-6 apart
     out = capsys.readouterr().out
-    assert "model.net.0.weight" in out and "train/loss" in out and out.count("FAIL") == 1
+    worst = weight_diffs(cpu_runs["1dev-fp64"].weights(), cpu_runs["1dev-fp32"].weights())[0]
+    assert f"  {worst}\n" in out and "train/loss" in out and out.count("FAIL") == 1
 
 
 GPUS = torch.cuda.device_count()
