@@ -1,0 +1,214 @@
+"""Template vs hand-written PyTorch DDP: step time, start-up and final weights.
+
+    python benchmarks/run.py                      # the full CPU table (about 7 minutes on 2 cores)
+    python benchmarks/run.py --accelerator gpu --precision bf16-mixed
+
+Bakes the template into a temporary directory, then for each configuration and
+process count alternates A = `torchrun benchmarks/raw_ddp.py` and B = the baked
+project's own `python main.py fit` with its default config (logger, progress
+bar, checkpoints on), changing only the model size, epochs and device flags, and
+adding the `StepTimer` callback. Both record rank 0's clock at the start of
+every training batch. See benchmarks/README.md for what each figure means.
+"""
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from mfu import mfu, mlp_train_flops, peak_flops  # noqa: E402
+
+# name: (hidden_dim, num_layers, epochs). The template's digits set gives 16 steps per epoch at
+# global batch 64; epoch 0 is warm-up and not timed. ~1 ms and ~20-25 ms steps on this 2-core CPU.
+CONFIGS = {"small": (128, 2, 10), "realistic": (1024, 3, 4)}
+GLOBAL_BATCH = 64
+
+
+def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, str]:
+    """Run in its own session (all ranks killed on timeout); return the wall time and the output."""
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise SystemExit(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}")
+    return start, out
+
+
+def step_stats(record: dict, launch: float, end: float) -> dict:
+    """Per-run figures from rank 0's batch-start clock (see README: what is timed)."""
+    starts = record["starts"]
+    pairs = list(zip(starts, starts[1:]))
+    # Steps: consecutive batch starts in the same epoch, epoch 0 excluded (warm-up).
+    same = [(a, b) for a, b in pairs if a[0] == b[0] and a[0] >= 1]
+    steps = [(b[1] - a[1]) * 1e3 for a, b in same]
+    # CPU time of rank 0's process per step (all its threads): less sensitive to other load than wall time.
+    cpu = [(b[2] - a[2]) * 1e3 for a, b in same]
+    # Epoch boundaries: the last step, validation, epoch-end hooks and checkpointing.
+    boundaries = [(b[1] - a[1]) * 1e3 for a, b in pairs if a[0] != b[0] and a[0] >= 1]
+    return {
+        "step_ms": statistics.median(steps),
+        "cpu_ms": statistics.median(cpu),
+        "mean_step_ms": statistics.fmean(steps),
+        "timed_steps": len(steps),
+        "boundary_ms": statistics.median(boundaries) if boundaries else None,
+        "first_step_s": record["first_step_wall"] - launch,
+        "wall_s": end - launch,
+    }
+
+
+def max_weight_diff(template_ckpt: Path, raw_weights: Path) -> float:
+    lightning_state = torch.load(template_ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    raw_state = torch.load(raw_weights, map_location="cpu")
+    return max((lightning_state[f"model.{k}"].float() - v.float()).abs().max().item() for k, v in raw_state.items())
+
+
+def bench_pair(project: Path, work: Path, name: str, procs: int, repeat: int, args) -> dict:
+    hidden, layers, epochs = CONFIGS[name]
+    epochs = args.epochs or epochs
+    run_dir = work / f"{name}-{procs}p-{repeat}"
+    run_dir.mkdir()
+    threads = max(1, (os.cpu_count() or 1) // procs)  # what Lightning picks; set for both runs alike
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    timeout = args.timeout
+
+    raw_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+               str(HERE / "raw_ddp.py"), "--project", str(project), "--out", str(run_dir / "raw.json"),
+               "--weights", str(run_dir / "raw.pt"), "--ckpt-dir", str(run_dir / "raw_ckpt"),
+               "--hidden-dim", str(hidden), "--num-layers", str(layers), "--global-batch-size", str(GLOBAL_BATCH),
+               "--epochs", str(epochs), "--accelerator", args.accelerator, "--precision", args.precision]
+    launch, _ = run(raw_cmd, run_dir, env, timeout)
+    raw = step_stats(json.loads((run_dir / "raw.json").read_text()), launch, time.time())
+
+    tpl_cmd = [sys.executable, str(project / "main.py"), "fit", "--trainer.accelerator", args.accelerator,
+               "--trainer.devices", str(procs), "--trainer.precision", args.precision,
+               "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(run_dir),
+               "--model.hidden_dim", str(hidden), "--model.num_layers", str(layers),
+               "--data.global_batch_size", str(GLOBAL_BATCH), "--trainer.callbacks+=steptimer.StepTimer",
+               *args.template_args]
+    tpl_env = {**env, "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
+               "BENCH_TIMES": str(run_dir / "template.json")}
+    launch, _ = run(tpl_cmd, run_dir, tpl_env, timeout)
+    template = step_stats(json.loads((run_dir / "template.json").read_text()), launch, time.time())
+
+    (ckpt,) = run_dir.glob("lightning_logs/version_0/checkpoints/last.ckpt")
+    return {"raw": raw, "template": template, "weight_diff": max_weight_diff(ckpt, run_dir / "raw.pt"),
+            "ratio": template["step_ms"] / raw["step_ms"]}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(name: str, procs: int, pairs: list[dict], args) -> dict:
+    row = {"config": name, "procs": procs, "repeats": len(pairs)}
+    for side in ("raw", "template"):
+        for key in ("step_ms", "cpu_ms", "mean_step_ms", "boundary_ms", "first_step_s", "wall_s"):
+            values = [p[side][key] for p in pairs if p[side][key] is not None]
+            row[f"{side}_{key}"] = spread(values) if values else None
+    row["ratio"] = spread([p["ratio"] for p in pairs])  # per A/B pair, so shared noise cancels
+    row["overhead_ms"] = spread([p["template"]["step_ms"] - p["raw"]["step_ms"] for p in pairs])
+    row["weight_diff"] = max(p["weight_diff"] for p in pairs)
+    row["timed_steps"] = pairs[0]["template"]["timed_steps"]
+    if args.accelerator == "gpu":
+        hidden, layers, _ = CONFIGS[name]
+        peak = peak_flops(torch.cuda.get_device_name(0), "bf16" if args.precision.startswith("bf16") else "tf32")
+        flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
+        for side in ("raw", "template"):
+            # The mean, not the median: on a GPU the host runs ahead of the device between syncs.
+            step_s = row[f"{side}_mean_step_ms"]["median"] / 1e3
+            row[f"{side}_mfu"] = mfu(flops, step_s, peak, procs) if peak else None
+    return row
+
+
+def fmt(s: dict | None, digits: int = 2) -> str:
+    if s is None:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| config | procs | raw ms/step | template ms/step | ratio | overhead ms/step | "
+        "epoch boundary ms raw / template | first step s raw / template | wall s raw / template | max weight diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['procs']} | {fmt(r['raw_step_ms'])} | {fmt(r['template_step_ms'])} | "
+            f"{fmt(r['ratio'], 3)} | {fmt(r['overhead_ms'])} | "
+            f"{fmt(r['raw_boundary_ms'], 0)} / {fmt(r['template_boundary_ms'], 0)} | "
+            f"{fmt(r['raw_first_step_s'], 1)} / {fmt(r['template_first_step_s'], 1)} | "
+            f"{fmt(r['raw_wall_s'], 1)} / {fmt(r['template_wall_s'], 1)} | {r['weight_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def bake(out_dir: Path) -> Path:
+    from cookiecutter.main import cookiecutter
+
+    return Path(cookiecutter(str(REPO), no_input=True, output_dir=str(out_dir)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="small,realistic", help=f"comma-separated, from {sorted(CONFIGS)}")
+    p.add_argument("--procs", default="1,2", help="comma-separated process (device) counts")
+    p.add_argument("--repeats", type=int, default=3, help="A/B pairs per configuration")
+    p.add_argument("--epochs", type=int, help="override every configuration's epochs (>= 2: epoch 0 is warm-up)")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
+    p.add_argument("--project", type=Path, help="an already baked project (default: bake this repository)")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run before it is killed")
+    p.add_argument("template_args", nargs="*", help="extra `main.py fit` arguments after --, e.g. -- "
+                   "--trainer.enable_progress_bar false")
+    args = p.parse_args()
+
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
+        work = Path(tmp)
+        project = args.project.resolve() if args.project else bake(work / "baked")
+        rows = []
+        for name in args.configs.split(","):
+            for procs in map(int, args.procs.split(",")):
+                pairs = [bench_pair(project, work, name, procs, i, args) for i in range(args.repeats)]
+                rows.append(summarise(name, procs, pairs, args))
+                print(f"{name} x{procs}: ratio {fmt(rows[-1]['ratio'], 3)}", file=sys.stderr, flush=True)
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "lightning": version("lightning"),
+        "accelerator": args.accelerator,
+        "device": torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu",
+        "precision": args.precision,
+        "total_s": round(time.time() - started, 1),
+    }
+    print(json.dumps(machine))
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

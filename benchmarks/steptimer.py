@@ -1,0 +1,39 @@
+"""A Lightning callback that records when each training batch starts, for `run.py`.
+
+Injected into the generated project's own `main.py` with
+`--trainer.callbacks+=steptimer.StepTimer` and `benchmarks/` on PYTHONPATH, so
+the project runs with its default config otherwise. It writes rank 0's record to
+the JSON file named by the environment variable BENCH_TIMES (every rank gets the
+same environment; only rank 0 writes).
+"""
+
+import json
+import os
+import time
+
+import lightning as L
+
+
+class StepTimer(L.Callback):
+    """Records (epoch, perf_counter, process_time) at every `on_train_batch_start`, plus wall clocks of the first and last."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, float, float]] = []
+        self.first_step_wall: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The same point as the raw loop's timestamp: the batch is fetched, the step is about to run.
+        if self.first_step_wall is None:
+            self.first_step_wall = time.time()
+        self.starts.append((trainer.current_epoch, time.perf_counter(), time.process_time()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0 and os.environ.get("BENCH_TIMES"):
+            record = {
+                "starts": self.starts,
+                "first_step_wall": self.first_step_wall,
+                "train_end_wall": time.time(),
+                "world_size": trainer.world_size,
+            }
+            with open(os.environ["BENCH_TIMES"], "w") as f:
+                json.dump(record, f)
