@@ -7,6 +7,8 @@ dense tensor-core peaks per GPU from NVIDIA's datasheets; MFU is conventionally
 quoted against the dense figure.
 """
 
+import itertools
+
 # Dense peak FLOP/s per GPU by compute dtype. "fp32" is the plain (non-tensor-core) rate.
 # Matched against the lower-cased device name, first match wins: specific names first.
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
@@ -38,7 +40,7 @@ def mlp_train_flops(batch: int, in_features: int, hidden_dim: int, num_layers: i
     optimizer are a rounding error.
     """
     widths = [in_features] + [hidden_dim] * num_layers + [num_classes]
-    weights = [a * b for a, b in zip(widths, widths[1:])]
+    weights = [a * b for a, b in itertools.pairwise(widths)]
     return batch * (6.0 * sum(weights) - 2.0 * weights[0])
 
 

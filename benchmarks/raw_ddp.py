@@ -104,9 +104,7 @@ def main() -> None:
 
     # The template's split: 359 validation and 359 test samples drawn with seed 0.
     full = load_digits(csv_path)
-    train_set, val_set, _ = random_split(
-        full, [len(full) - 718, 359, 359], generator=torch.Generator().manual_seed(0)
-    )
+    train_set, val_set, _ = random_split(full, [len(full) - 718, 359, 359], generator=torch.Generator().manual_seed(0))
     sampler = SameOrderSampler(len(train_set), args.global_batch_size, world, rank, args.seed)
     train_loader = DataLoader(train_set, batch_size=sampler.batch_size, sampler=sampler, pin_memory=gpu)
     # Every validation sample on exactly one rank; sums are reduced over ranks, so no sample counts twice.
@@ -123,7 +121,8 @@ def main() -> None:
         for x, y in train_loader:
             if first_step_wall is None:
                 first_step_wall = time.time()
-            starts.append((epoch, time.perf_counter(), time.process_time()))  # the batch is fetched, the step is about to run
+            # The batch is fetched and the step is about to run: where the template's StepTimer records.
+            starts.append((epoch, time.perf_counter(), time.process_time()))
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             with autocast:
@@ -144,7 +143,11 @@ def main() -> None:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 logits = ddp_model(x)
                 totals += torch.stack(
-                    [F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(-1) == y).sum(), y.new_tensor(len(y))]
+                    [
+                        F.cross_entropy(logits.float(), y, reduction="sum"),
+                        (logits.argmax(-1) == y).sum(),
+                        y.new_tensor(len(y)),
+                    ]
                 ).float()
         epoch_loss = loss_sum.clone()
         dist.all_reduce(totals)
@@ -152,18 +155,27 @@ def main() -> None:
         if rank == 0:
             val_loss, val_acc = (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
             train_loss = epoch_loss.item() / (world * len(train_loader))
-            print(f"epoch {epoch} train/loss {train_loss:.4f} step loss {last_logged:.4f} "
-                  f"val/loss {val_loss:.4f} val/acc {val_acc:.4f}", flush=True)
+            print(
+                f"epoch {epoch} train/loss {train_loss:.4f} step loss {last_logged:.4f} "
+                f"val/loss {val_loss:.4f} val/acc {val_acc:.4f}",
+                flush=True,
+            )
             if args.ckpt_dir:
                 args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-                torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                           args.ckpt_dir / "last.pt")
+                torch.save(
+                    {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                    args.ckpt_dir / "last.pt",
+                )
 
     if rank == 0:
         if args.weights:
             torch.save(model.state_dict(), args.weights)
-        record = {"starts": starts, "first_step_wall": first_step_wall, "train_end_wall": time.time(),
-                  "world_size": world}
+        record = {
+            "starts": starts,
+            "first_step_wall": first_step_wall,
+            "train_end_wall": time.time(),
+            "world_size": world,
+        }
         args.out.write_text(json.dumps(record))
     dist.destroy_process_group()
 

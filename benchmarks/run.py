@@ -12,6 +12,7 @@ every training batch. See benchmarks/README.md for what each figure means.
 """
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -25,14 +26,13 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from mfu import mfu, mlp_train_flops, peak_flops  # benchmarks/ is on sys.path as the script's directory
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from mfu import mfu, mlp_train_flops, peak_flops  # noqa: E402
 
 # name: (hidden_dim, num_layers, epochs). The template's digits set gives 16 steps per epoch at
-# global batch 64; epoch 0 is warm-up and not timed. ~1 ms and ~20-25 ms steps on this 2-core CPU.
+# global batch 64; epoch 0 is warm-up and not timed. About 1 ms and 30 ms steps on one thread here.
 CONFIGS = {"small": (128, 2, 10), "realistic": (1024, 3, 4)}
 GLOBAL_BATCH = 64
 
@@ -40,14 +40,18 @@ GLOBAL_BATCH = 64
 def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, str]:
     """Run in its own session (all ranks killed on timeout); return the wall time and the output."""
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise SystemExit(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}") from None
+    except BaseException:  # Ctrl-C or SIGTERM: take the ranks down too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}")
     return start, out
@@ -56,7 +60,7 @@ def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, st
 def step_stats(record: dict, launch: float, end: float) -> dict:
     """Per-run figures from rank 0's batch-start clock (see README: what is timed)."""
     starts = record["starts"]
-    pairs = list(zip(starts, starts[1:]))
+    pairs = list(itertools.pairwise(starts))
     # Steps: consecutive batch starts in the same epoch, epoch 0 excluded (warm-up).
     same = [(a, b) for a, b in pairs if a[0] == b[0] and a[0] >= 1]
     steps = [(b[1] - a[1]) * 1e3 for a, b in same]
@@ -75,43 +79,62 @@ def step_stats(record: dict, launch: float, end: float) -> dict:
     }
 
 
-def max_weight_diff(template_ckpt: Path, raw_weights: Path) -> float:
-    lightning_state = torch.load(template_ckpt, map_location="cpu", weights_only=False)["state_dict"]
+def max_weight_diff(template_weights: Path, raw_weights: Path) -> float:
+    lightning_state = torch.load(template_weights, map_location="cpu")
     raw_state = torch.load(raw_weights, map_location="cpu")
     return max((lightning_state[f"model.{k}"].float() - v.float()).abs().max().item() for k, v in raw_state.items())
 
 
-def bench_pair(project: Path, work: Path, name: str, procs: int, repeat: int, args) -> dict:
+def run_env(procs: int, args) -> dict:
+    # The same thread count for both sides. Lightning alone would pick cores // processes.
+    threads = args.threads or max(1, (os.cpu_count() or 1) // procs)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+
+
+def run_raw(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
+    """One `torchrun raw_ddp.py` run; its figures, and its final weights in run_dir/raw.pt."""
     hidden, layers, epochs = CONFIGS[name]
-    epochs = args.epochs or epochs
+    flags = {
+        "project": project, "out": run_dir / "raw.json", "weights": run_dir / "raw.pt",
+        "ckpt-dir": run_dir / "raw_ckpt", "hidden-dim": hidden, "num-layers": layers,
+        "global-batch-size": GLOBAL_BATCH, "epochs": args.epochs or epochs,
+        "accelerator": args.accelerator, "precision": args.precision,
+    }  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+           str(HERE / "raw_ddp.py"), *(f"--{k}={v}" for k, v in flags.items())]  # fmt: skip
+    launch, _ = run(cmd, run_dir, run_env(procs, args), args.timeout)
+    return step_stats(json.loads((run_dir / "raw.json").read_text()), launch, time.time())
+
+
+def run_template(project: Path, run_dir: Path, name: str, procs: int, args, extra: list[str]) -> dict:
+    """One `python main.py fit` run of the baked project with its default config plus `extra` arguments."""
+    hidden, layers, epochs = CONFIGS[name]
+    flags = {
+        "trainer.accelerator": args.accelerator, "trainer.devices": procs, "trainer.precision": args.precision,
+        "trainer.max_epochs": args.epochs or epochs, "trainer.default_root_dir": run_dir,
+        "model.hidden_dim": hidden, "model.num_layers": layers, "data.global_batch_size": GLOBAL_BATCH,
+    }  # fmt: skip
+    cmd = [sys.executable, str(project / "main.py"), "fit", *(f"--{k}={v}" for k, v in flags.items()), *extra,
+           "--trainer.callbacks+=steptimer.StepTimer"]  # fmt: skip
+    env = run_env(procs, args)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["BENCH_TIMES"] = str(run_dir / "template.json")
+    launch, _ = run(cmd, run_dir, env, args.timeout)
+    return step_stats(json.loads((run_dir / "template.json").read_text()), launch, time.time())
+
+
+def bench_pair(project: Path, work: Path, name: str, procs: int, repeat: int, args) -> dict:
+    """A then B in a fresh directory: their figures, the step-time ratio and the final-weight difference."""
     run_dir = work / f"{name}-{procs}p-{repeat}"
     run_dir.mkdir()
-    threads = max(1, (os.cpu_count() or 1) // procs)  # what Lightning picks; set for both runs alike
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    timeout = args.timeout
-
-    raw_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
-               str(HERE / "raw_ddp.py"), "--project", str(project), "--out", str(run_dir / "raw.json"),
-               "--weights", str(run_dir / "raw.pt"), "--ckpt-dir", str(run_dir / "raw_ckpt"),
-               "--hidden-dim", str(hidden), "--num-layers", str(layers), "--global-batch-size", str(GLOBAL_BATCH),
-               "--epochs", str(epochs), "--accelerator", args.accelerator, "--precision", args.precision]
-    launch, _ = run(raw_cmd, run_dir, env, timeout)
-    raw = step_stats(json.loads((run_dir / "raw.json").read_text()), launch, time.time())
-
-    tpl_cmd = [sys.executable, str(project / "main.py"), "fit", "--trainer.accelerator", args.accelerator,
-               "--trainer.devices", str(procs), "--trainer.precision", args.precision,
-               "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(run_dir),
-               "--model.hidden_dim", str(hidden), "--model.num_layers", str(layers),
-               "--data.global_batch_size", str(GLOBAL_BATCH), "--trainer.callbacks+=steptimer.StepTimer",
-               *args.template_args]
-    tpl_env = {**env, "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
-               "BENCH_TIMES": str(run_dir / "template.json")}
-    launch, _ = run(tpl_cmd, run_dir, tpl_env, timeout)
-    template = step_stats(json.loads((run_dir / "template.json").read_text()), launch, time.time())
-
-    (ckpt,) = run_dir.glob("lightning_logs/version_0/checkpoints/last.ckpt")
-    return {"raw": raw, "template": template, "weight_diff": max_weight_diff(ckpt, run_dir / "raw.pt"),
-            "ratio": template["step_ms"] / raw["step_ms"]}
+    raw = run_raw(project, run_dir, name, procs, args)
+    template = run_template(project, run_dir, name, procs, args, args.template_args)
+    return {
+        "raw": raw,
+        "template": template,
+        "weight_diff": max_weight_diff(run_dir / "template.json.weights.pt", run_dir / "raw.pt"),
+        "ratio": template["step_ms"] / raw["step_ms"],
+    }
 
 
 def spread(values: list[float]) -> dict:
@@ -146,15 +169,15 @@ def fmt(s: dict | None, digits: int = 2) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| config | procs | raw ms/step | template ms/step | ratio | overhead ms/step | "
-        "epoch boundary ms raw / template | first step s raw / template | wall s raw / template | max weight diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = [
+        "config", "procs", "raw ms/step", "template ms/step", "ratio", "overhead ms/step", "CPU ms/step raw / template",
+        "epoch boundary ms raw / template", "first step s raw / template", "wall s raw / template", "max weight diff",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['procs']} | {fmt(r['raw_step_ms'])} | {fmt(r['template_step_ms'])} | "
-            f"{fmt(r['ratio'], 3)} | {fmt(r['overhead_ms'])} | "
+            f"{fmt(r['ratio'], 3)} | {fmt(r['overhead_ms'])} | {fmt(r['raw_cpu_ms'])} / {fmt(r['template_cpu_ms'])} | "
             f"{fmt(r['raw_boundary_ms'], 0)} / {fmt(r['template_boundary_ms'], 0)} | "
             f"{fmt(r['raw_first_step_s'], 1)} / {fmt(r['template_first_step_s'], 1)} | "
             f"{fmt(r['raw_wall_s'], 1)} / {fmt(r['template_wall_s'], 1)} | {r['weight_diff']:.1e} |"
@@ -178,10 +201,22 @@ def main() -> None:
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
     p.add_argument("--project", type=Path, help="an already baked project (default: bake this repository)")
     p.add_argument("--json", type=Path, help="also write every figure here")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OpenMP threads per process for both sides; 0 = "
+        "Lightning's choice (cores // processes). 1 keeps a shared machine's noise from turning into "
+        "OpenMP spin-waits",
+    )
     p.add_argument("--timeout", type=float, default=300, help="seconds per run before it is killed")
-    p.add_argument("template_args", nargs="*", help="extra `main.py fit` arguments after --, e.g. -- "
-                   "--trainer.enable_progress_bar false")
+    p.add_argument(
+        "template_args",
+        nargs="*",
+        help="extra `main.py fit` arguments after --, e.g. -- --trainer.enable_progress_bar false",
+    )
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `run` can clean up on kill
 
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:

@@ -4,7 +4,7 @@ Injected into the generated project's own `main.py` with
 `--trainer.callbacks+=steptimer.StepTimer` and `benchmarks/` on PYTHONPATH, so
 the project runs with its default config otherwise. It writes rank 0's record to
 the JSON file named by the environment variable BENCH_TIMES (every rank gets the
-same environment; only rank 0 writes).
+same environment; only rank 0 writes) and the final weights to BENCH_TIMES.weights.pt.
 """
 
 import json
@@ -12,10 +12,11 @@ import os
 import time
 
 import lightning as L
+import torch
 
 
 class StepTimer(L.Callback):
-    """Records (epoch, perf_counter, process_time) at every `on_train_batch_start`, plus wall clocks of the first and last."""
+    """Records (epoch, perf_counter, process_time) at every `on_train_batch_start`; wall clock of the first."""
 
     def __init__(self) -> None:
         self.starts: list[tuple[int, float, float]] = []
@@ -37,3 +38,20 @@ class StepTimer(L.Callback):
             }
             with open(os.environ["BENCH_TIMES"], "w") as f:
                 json.dump(record, f)
+            # The final weights, saved here because Lightning 2.6's last.ckpt is only rewritten when a
+            # top-k checkpoint is saved at the same step: with save_top_k=1 it holds the best epoch.
+            torch.save(pl_module.state_dict(), os.environ["BENCH_TIMES"] + ".weights.pt")
+
+
+class SkipSigtermBroadcast(L.Callback):
+    """Measurement only: turns off Lightning 2.6's per-step SIGTERM broadcast, to show what it costs.
+
+    With more than one process, Lightning broadcasts a flag from rank 0 and reads
+    it back with `.item()` at every training step (upstream PR #20825; the cost is
+    discussed in issue #21487 and PR #21640 proposes a frequency setting). Without
+    it, a SIGTERM to one rank can leave the others hanging, so this is not for
+    real training.
+    """
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
