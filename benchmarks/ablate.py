@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--launcher", choices=["lightning", "torchrun"], default="lightning")
     args = p.parse_args()
     names = args.variants.split(",") if args.variants else list(VARIANTS)
 

@@ -6,7 +6,7 @@
 Runs `main.py fit` with its default config and `steptimer.CPUTimeProfiler` (the
 thread's CPU time per hook, so other load on the machine does not count) and
 prints the hooks that run at every training step, costliest first, in
-microseconds per step (median over steps, epoch 0 excluded).
+microseconds per step (mean over steps, epoch 0 excluded).
 """
 
 import argparse
@@ -43,16 +43,22 @@ def main() -> None:
     steps = len(durations["run_training_batch"])
     skip = steps // args.epochs  # epoch 0
     per_step = {
-        name: statistics.median(values[skip:]) * 1e6
+        name: statistics.fmean(values[skip:]) * 1e6
         for name, values in durations.items()
         if len(values) == steps  # once per training step
     }
-    print(f"config {args.config}, 1 process, {steps - skip} steps; CPU microseconds per step (median)")
+    print(f"config {args.config}, 1 process, {steps - skip} steps; CPU microseconds per step (mean: periodic work such as a refresh every N steps counts)")
     print("| hook | us/step |\n|---|---|")
     for name, us in sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]:
         if "{" in name:  # ModelCheckpoint{...its arguments...}.hook
             name = name.split("{")[0] + "." + name.rsplit(".", 1)[1]
         print(f"| {name} | {us:.0f} |")
+    # Start-up and once-per-fit work: what runs before the first step besides imports.
+    once = {name: sum(values) * 1e3 for name, values in durations.items() if len(values) <= 2}
+    print("\nhooks run once or twice per fit; CPU milliseconds in total")
+    print("| hook | ms |\n|---|---|")
+    for name, ms in sorted(once.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"| {name.split('{')[0]} | {ms:.1f} |")
 
 
 if __name__ == "__main__":

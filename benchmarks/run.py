@@ -116,8 +116,11 @@ def run_template(project: Path, run_dir: Path, name: str, procs: int, args, extr
         "trainer.max_epochs": args.epochs or epochs, "trainer.default_root_dir": run_dir,
         "model.hidden_dim": hidden, "model.num_layers": layers, "data.global_batch_size": GLOBAL_BATCH,
     }  # fmt: skip
-    cmd = [sys.executable, str(project / "main.py"), "fit", *(f"--{k}={v}" for k, v in flags.items()), *extra,
-           "--trainer.callbacks+=steptimer.StepTimer"]  # fmt: skip
+    # Lightning's launcher starts rank 1 once rank 0 reaches fit(); torchrun starts every rank at once.
+    launcher = [] if args.launcher == "lightning" else ["-m", "torch.distributed.run", "--standalone",
+                                                        f"--nproc_per_node={procs}"]  # fmt: skip
+    cmd = [sys.executable, *launcher, str(project / "main.py"), "fit", *(f"--{k}={v}" for k, v in flags.items()),
+           *extra, "--trainer.callbacks+=steptimer.StepTimer"]  # fmt: skip
     env = run_env(procs, args)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env["BENCH_TIMES"] = str(run_dir / "template.json")
@@ -203,6 +206,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, help="override every configuration's epochs (>= 2: epoch 0 is warm-up)")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
+    p.add_argument(
+        "--launcher",
+        choices=["lightning", "torchrun"],
+        default="lightning",
+        help="how the template's ranks start: `python main.py` (users' default) or `torchrun main.py`",
+    )
     p.add_argument("--project", type=Path, help="an already baked project (default: bake this repository)")
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument(
