@@ -41,6 +41,7 @@ def test_report_has_one_row_with_every_figure(report):
     for key in ("step_ms", "cpu_ms", "first_step_s", "wall_s"):
         assert row[f"raw_{key}"]["median"] > 0 and row[f"template_{key}"]["median"] > 0, key
     assert row["ratio"]["median"] == pytest.approx(row["template_step_ms"]["median"] / row["raw_step_ms"]["median"])
+    assert row["cpu_ratio"]["median"] == pytest.approx(row["template_cpu_ms"]["median"] / row["raw_cpu_ms"]["median"])
     assert data["machine"]["cpus"] == os.cpu_count()
 
 
