@@ -159,7 +159,8 @@ def summarise(name: str, procs: int, pairs: list[dict], args) -> dict:
     row["timed_steps"] = pairs[0]["template"]["timed_steps"]
     if args.accelerator == "gpu":
         hidden, layers, _ = CONFIGS[name]
-        peak = peak_flops(torch.cuda.get_device_name(0), "bf16" if args.precision.startswith("bf16") else "tf32")
+        # 32-true: neither side enables TF32 matmuls (torch defaults to "highest"), so the plain FP32 peak.
+        peak = peak_flops(torch.cuda.get_device_name(0), "bf16" if args.precision.startswith("bf16") else "fp32")
         flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
         for side in ("raw", "template"):
             # The mean, not the median: on a GPU the host runs ahead of the device between syncs.
@@ -179,6 +180,8 @@ def table(rows: list[dict]) -> str:
         "config", "procs", "raw ms/step", "template ms/step", "ratio", "overhead ms/step",
         "CPU ms/step raw / template", "CPU ratio", "epoch boundary ms raw / template", "first step s raw / template", "wall s raw / template", "max weight diff",
     ]  # fmt: skip
+    with_mfu = any("raw_mfu" in r for r in rows)  # GPU runs with a known peak
+    columns += ["MFU raw / template"] if with_mfu else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append(
@@ -189,6 +192,9 @@ def table(rows: list[dict]) -> str:
             f"{fmt(r['raw_first_step_s'], 1)} / {fmt(r['template_first_step_s'], 1)} | "
             f"{fmt(r['raw_wall_s'], 1)} / {fmt(r['template_wall_s'], 1)} | {r['weight_diff']:.1e} |"
         )
+        if with_mfu:
+            mfus = [r.get(f"{side}_mfu") for side in ("raw", "template")]
+            lines[-1] += " " + " / ".join("-" if m is None else f"{m:.1%}" for m in mfus) + " |"
     return "\n".join(lines)
 
 
