@@ -22,14 +22,14 @@ TQDM = "lightning.pytorch.callbacks.TQDMProgressBar"
 VARIANTS = {
     "template defaults": [],
     "no progress bar": ["--trainer.enable_progress_bar=false"],
-    "TQDMProgressBar, refresh 1": [f"--trainer.callbacks+={TQDM}"],
-    "TQDMProgressBar, refresh 10": [
+    "TQDMProgressBar refresh 1": [f"--trainer.callbacks+={TQDM}"],
+    "TQDMProgressBar refresh 10": [
         f'--trainer.callbacks+={{"class_path": "{TQDM}", "init_args": {{"refresh_rate": 10}}}}'
     ],
     "no logger": ["--trainer.logger=false"],
     "no checkpointing": ["--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"],
     "no per-step SIGTERM broadcast (measurement only)": ["--trainer.callbacks+=steptimer.SkipSigtermBroadcast"],
-    "bare Trainer (no bar, logger, checkpoints)": [
+    "bare Trainer (no bar/logger/checkpoints)": [
         "--trainer.callbacks=[]",
         "--trainer.enable_checkpointing=false",
         "--trainer.logger=false",
@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--launcher", choices=["lightning", "torchrun"], default="lightning")
     args = p.parse_args()
     names = args.variants.split(",") if args.variants else list(VARIANTS)
+    if unknown := set(names) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
 
     results: dict[str, list[dict]] = {name: [] for name in ["raw DDP", *names]}
     with tempfile.TemporaryDirectory(prefix="ddp-ablate-") as tmp:
