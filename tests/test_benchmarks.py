@@ -26,8 +26,13 @@ def report(tmp_path_factory):
     try:
         text, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
+        # SIGTERM first: run.py then kills the training processes it started in their own sessions.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            text, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
         raise AssertionError(f"benchmark timed out:\n{text[-4000:]}") from None
     assert proc.returncode == 0, text[-4000:]
     return json.loads(out.read_text()), text
