@@ -12,6 +12,7 @@ every training batch. See benchmarks/README.md for what each figure means.
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -37,6 +38,22 @@ CONFIGS = {"small": (128, 2, 10), "realistic": (1024, 3, 4)}
 GLOBAL_BATCH = 64
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a run and every rank it started.
+
+    SIGTERM first, to the run's process group: torchrun starts its workers in
+    sessions of their own and only takes them down itself. SIGKILL if that takes
+    more than 15 s.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, str]:
     """Run in its own session (all ranks killed on timeout); return the wall time and the output."""
     start = time.time()
@@ -46,11 +63,11 @@ def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, st
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         out, _ = proc.communicate()
         raise SystemExit(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}") from None
     except BaseException:  # Ctrl-C or SIGTERM: take the ranks down too
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         raise
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}")
