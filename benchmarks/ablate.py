@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--launcher", choices=["lightning", "torchrun"], default="lightning")
+    p.add_argument("--no-fixed-malloc", dest="fixed_malloc", action="store_false")
     args = p.parse_args()
     names = args.variants.split(",") if args.variants else list(VARIANTS)
     if unknown := set(names) - set(VARIANTS):

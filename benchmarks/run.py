@@ -107,7 +107,13 @@ def max_weight_diff(template_weights: Path, raw_weights: Path) -> float:
 def run_env(procs: int, args) -> dict:
     # The same thread count for both sides. Lightning alone would pick cores // processes.
     threads = args.threads or max(1, (os.cpu_count() or 1) // procs)
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if args.fixed_malloc:
+        # glibc otherwise decides per process, from its allocation history, whether freed multi-MB
+        # buffers go back to the OS: a process that does pays ~300-1200 page faults per realistic step
+        # (~2 ms here), which favoured whichever side happened not to. Fixed thresholds for both sides.
+        env["GLIBC_TUNABLES"] = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=268435456"
+    return env
 
 
 def run_raw(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
@@ -244,6 +250,12 @@ def main() -> None:
         help="OpenMP threads per process for both sides; 0 = "
         "Lightning's choice (cores // processes). 1 keeps a shared machine's noise from turning into "
         "OpenMP spin-waits",
+    )
+    p.add_argument(
+        "--no-fixed-malloc",
+        dest="fixed_malloc",
+        action="store_false",
+        help="leave glibc's malloc thresholds to each process (see run_env)",
     )
     p.add_argument("--timeout", type=float, default=300, help="seconds per run before it is killed")
     p.add_argument(
