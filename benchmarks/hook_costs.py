@@ -1,4 +1,4 @@
-"""CPU time per training step of every Lightning hook in the baked project's `fit`.
+"""CPU time per training step of every Lightning hook in the baked project's `fit` (rank 0).
 
     python benchmarks/hook_costs.py                       # small config, 1 process, 10 epochs
     python benchmarks/hook_costs.py --config realistic -- --trainer.devices=2
