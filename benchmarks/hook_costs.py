@@ -47,9 +47,7 @@ def main() -> None:
         for name, values in durations.items()
         if len(values) == steps  # once per training step
     }
-    print(
-        f"config {args.config}, 1 process, {steps - skip} steps; CPU microseconds per step (mean: periodic work such as a refresh every N steps counts)"
-    )
+    print(f"config {args.config}, rank 0, {steps - skip} steps; CPU microseconds per step (mean: periodic work counts)")
     print("| hook | us/step |\n|---|---|")
     for name, us in sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]:
         if "{" in name:  # ModelCheckpoint{...its arguments...}.hook
