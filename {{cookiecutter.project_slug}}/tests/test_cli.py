@@ -1,5 +1,7 @@
 """`python main.py` end to end: what a run writes, and that users can plug in their own modules."""
 
+import importlib
+import os
 import textwrap
 
 import pytest
@@ -116,3 +118,15 @@ def test_indivisible_global_batch_fails_with_message(tmp_path):
     )
     assert result.returncode != 0
     assert "global_batch_size=63 does not divide evenly over 2 processes" in result.stdout
+
+
+def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(monkeypatch):
+    """main.py defaults TQDM_MINITERS to 10 (Lightning's TQDM bar reads it) and keeps a value already set."""
+    import main  # here, not at the top: importing it sets the variable
+
+    monkeypatch.delenv("TQDM_MINITERS", raising=False)
+    importlib.reload(main)
+    assert os.environ["TQDM_MINITERS"] == "10"
+    monkeypatch.setenv("TQDM_MINITERS", "1")
+    importlib.reload(main)
+    assert os.environ["TQDM_MINITERS"] == "1"

@@ -1,0 +1,297 @@
+"""Template vs hand-written PyTorch DDP: step time, start-up and final weights.
+
+    python benchmarks/run.py                      # the full CPU table (about 7 minutes on 2 cores)
+    python benchmarks/run.py --accelerator gpu --precision bf16-mixed
+
+Bakes the template into a temporary directory, then for each configuration and
+process count alternates A = `torchrun benchmarks/raw_ddp.py` and B = the baked
+project's own `python main.py fit` with its default config (logger, progress
+bar, checkpoints on), changing only the model size, epochs and device flags, and
+adding the `StepTimer` callback. Both record rank 0's clock at the start of
+every training batch. See benchmarks/README.md for what each figure means.
+"""
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from mfu import mfu, mlp_train_flops, peak_flops  # benchmarks/ is on sys.path as the script's directory
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+# name: (hidden_dim, num_layers, epochs). The template's digits set gives 16 steps per epoch at
+# global batch 64; epoch 0 is warm-up and not timed. About 1 ms and 30 ms steps on one thread here.
+CONFIGS = {"small": (128, 2, 10), "realistic": (1024, 3, 4)}
+GLOBAL_BATCH = 64
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a run and every rank it started.
+
+    SIGTERM first, to the run's process group: torchrun starts its workers in
+    sessions of their own and only takes them down itself. SIGKILL if that takes
+    more than 15 s.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, str]:
+    """Run in its own session (all ranks killed on timeout); return the wall time and the output."""
+    start = time.time()
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        out, _ = proc.communicate()
+        raise SystemExit(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}") from None
+    except BaseException:  # Ctrl-C or SIGTERM: take the ranks down too
+        stop(proc)
+        raise
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}")
+    return start, out
+
+
+def step_stats(record: dict, launch: float, end: float) -> dict:
+    """Per-run figures from rank 0's batch-start clock (see README: what is timed)."""
+    starts = record["starts"]
+    pairs = list(itertools.pairwise(starts))
+    # Steps: consecutive batch starts in the same epoch, epoch 0 excluded (warm-up).
+    same = [(a, b) for a, b in pairs if a[0] == b[0] and a[0] >= 1]
+    steps = [(b[1] - a[1]) * 1e3 for a, b in same]
+    # CPU time of rank 0's process per step (all its threads): less sensitive to other load than wall time.
+    cpu = [(b[2] - a[2]) * 1e3 for a, b in same]
+    # Epoch boundaries: the last step, validation, epoch-end hooks and checkpointing.
+    boundaries = [(b[1] - a[1]) * 1e3 for a, b in pairs if a[0] != b[0] and a[0] >= 1]
+    return {
+        "step_ms": statistics.median(steps),
+        # The fastest tenth: steps that other processes did not interrupt, on a busy machine.
+        "p10_step_ms": statistics.quantiles(steps, n=10)[0] if len(steps) > 1 else steps[0],
+        "cpu_ms": statistics.median(cpu),
+        "mean_step_ms": statistics.fmean(steps),
+        "timed_steps": len(steps),
+        "boundary_ms": statistics.median(boundaries) if boundaries else None,
+        "first_step_s": record["first_step_wall"] - launch,
+        "wall_s": end - launch,
+    }
+
+
+def max_weight_diff(template_weights: Path, raw_weights: Path) -> float:
+    lightning_state = torch.load(template_weights, map_location="cpu")
+    raw_state = torch.load(raw_weights, map_location="cpu")
+    return max((lightning_state[f"model.{k}"].float() - v.float()).abs().max().item() for k, v in raw_state.items())
+
+
+def run_env(procs: int, args) -> dict:
+    # The same thread count for both sides. Lightning alone would pick cores // processes.
+    threads = args.threads or max(1, (os.cpu_count() or 1) // procs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if args.fixed_malloc:
+        # glibc otherwise decides per process, from its allocation history, whether freed multi-MB
+        # buffers go back to the OS: a process that does pays ~300-1200 page faults per realistic step
+        # (~2 ms here), which favoured whichever side happened not to. Fixed thresholds for both sides.
+        env["GLIBC_TUNABLES"] = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=268435456"
+    return env
+
+
+def run_raw(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
+    """One `torchrun raw_ddp.py` run; its figures, and its final weights in run_dir/raw.pt."""
+    hidden, layers, epochs = CONFIGS[name]
+    flags = {
+        "project": project, "out": run_dir / "raw.json", "weights": run_dir / "raw.pt",
+        "ckpt-dir": run_dir / "raw_ckpt", "hidden-dim": hidden, "num-layers": layers,
+        "global-batch-size": GLOBAL_BATCH, "epochs": args.epochs or epochs,
+        "accelerator": args.accelerator, "precision": args.precision,
+    }  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+           str(HERE / "raw_ddp.py"), *(f"--{k}={v}" for k, v in flags.items())]  # fmt: skip
+    launch, _ = run(cmd, run_dir, run_env(procs, args), args.timeout)
+    return step_stats(json.loads((run_dir / "raw.json").read_text()), launch, time.time())
+
+
+def run_template(project: Path, run_dir: Path, name: str, procs: int, args, extra: list[str]) -> dict:
+    """One `python main.py fit` run of the baked project with its default config plus `extra` arguments."""
+    hidden, layers, epochs = CONFIGS[name]
+    flags = {
+        "trainer.accelerator": args.accelerator, "trainer.devices": procs, "trainer.precision": args.precision,
+        "trainer.max_epochs": args.epochs or epochs, "trainer.default_root_dir": run_dir,
+        "model.hidden_dim": hidden, "model.num_layers": layers, "data.global_batch_size": GLOBAL_BATCH,
+    }  # fmt: skip
+    # Lightning's launcher starts rank 1 once rank 0 reaches fit(); torchrun starts every rank at once.
+    launcher = [] if args.launcher == "lightning" else ["-m", "torch.distributed.run", "--standalone",
+                                                        f"--nproc_per_node={procs}"]  # fmt: skip
+    cmd = [sys.executable, *launcher, str(project / "main.py"), "fit", *(f"--{k}={v}" for k, v in flags.items()),
+           *extra, "--trainer.callbacks+=steptimer.StepTimer"]  # fmt: skip
+    env = run_env(procs, args)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["BENCH_TIMES"] = str(run_dir / "template.json")
+    launch, _ = run(cmd, run_dir, env, args.timeout)
+    return step_stats(json.loads((run_dir / "template.json").read_text()), launch, time.time())
+
+
+def bench_pair(project: Path, work: Path, name: str, procs: int, repeat: int, args) -> dict:
+    """A then B in a fresh directory: their figures, the step-time ratio and the final-weight difference."""
+    run_dir = work / f"{name}-{procs}p-{repeat}"
+    run_dir.mkdir()
+    raw = run_raw(project, run_dir, name, procs, args)
+    template = run_template(project, run_dir, name, procs, args, args.template_args)
+    return {
+        "raw": raw,
+        "template": template,
+        "weight_diff": max_weight_diff(run_dir / "template.json.weights.pt", run_dir / "raw.pt"),
+        "ratio": template["step_ms"] / raw["step_ms"],
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(name: str, procs: int, pairs: list[dict], args) -> dict:
+    row = {"config": name, "procs": procs, "repeats": len(pairs)}
+    for side in ("raw", "template"):
+        for key in ("step_ms", "p10_step_ms", "cpu_ms", "mean_step_ms", "boundary_ms", "first_step_s", "wall_s"):
+            values = [p[side][key] for p in pairs if p[side][key] is not None]
+            row[f"{side}_{key}"] = spread(values) if values else None
+    row["ratio"] = spread([p["ratio"] for p in pairs])  # per A/B pair, so shared noise cancels
+    row["overhead_ms"] = spread([p["template"]["step_ms"] - p["raw"]["step_ms"] for p in pairs])
+    row["cpu_ratio"] = spread([p["template"]["cpu_ms"] / p["raw"]["cpu_ms"] for p in pairs])
+    row["weight_diff"] = max(p["weight_diff"] for p in pairs)
+    row["timed_steps"] = pairs[0]["template"]["timed_steps"]
+    if args.accelerator == "gpu":
+        hidden, layers, _ = CONFIGS[name]
+        # 32-true: neither side enables TF32 matmuls (torch defaults to "highest"), so the plain FP32 peak.
+        peak = peak_flops(torch.cuda.get_device_name(0), "bf16" if args.precision.startswith("bf16") else "fp32")
+        flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
+        for side in ("raw", "template"):
+            # The mean, not the median: on a GPU the host runs ahead of the device between syncs.
+            step_s = row[f"{side}_mean_step_ms"]["median"] / 1e3
+            row[f"{side}_mfu"] = mfu(flops, step_s, peak, procs) if peak else None
+    return row
+
+
+def fmt(s: dict | None, digits: int = 2) -> str:
+    if s is None:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def table(rows: list[dict]) -> str:
+    columns = [
+        "config", "procs", "raw ms/step", "template ms/step", "ratio", "overhead ms/step",
+        "CPU ms/step raw / template", "CPU ratio", "epoch boundary ms raw / template", "first step s raw / template", "wall s raw / template", "max weight diff",
+    ]  # fmt: skip
+    with_mfu = any("raw_mfu" in r for r in rows)  # GPU runs with a known peak
+    columns += ["MFU raw / template"] if with_mfu else []
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['procs']} | {fmt(r['raw_step_ms'])} | {fmt(r['template_step_ms'])} | "
+            f"{fmt(r['ratio'], 3)} | {fmt(r['overhead_ms'])} | {fmt(r['raw_cpu_ms'])} / {fmt(r['template_cpu_ms'])} | "
+            f"{fmt(r['cpu_ratio'], 3)} | "
+            f"{fmt(r['raw_boundary_ms'], 0)} / {fmt(r['template_boundary_ms'], 0)} | "
+            f"{fmt(r['raw_first_step_s'], 1)} / {fmt(r['template_first_step_s'], 1)} | "
+            f"{fmt(r['raw_wall_s'], 1)} / {fmt(r['template_wall_s'], 1)} | {r['weight_diff']:.1e} |"
+        )
+        if with_mfu:
+            mfus = [r.get(f"{side}_mfu") for side in ("raw", "template")]
+            lines[-1] += " " + " / ".join("-" if m is None else f"{m:.1%}" for m in mfus) + " |"
+    return "\n".join(lines)
+
+
+def bake(out_dir: Path) -> Path:
+    from cookiecutter.main import cookiecutter
+
+    return Path(cookiecutter(str(REPO), no_input=True, output_dir=str(out_dir)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="small,realistic", help=f"comma-separated, from {sorted(CONFIGS)}")
+    p.add_argument("--procs", default="1,2", help="comma-separated process (device) counts")
+    p.add_argument("--repeats", type=int, default=3, help="A/B pairs per configuration")
+    p.add_argument("--epochs", type=int, help="override every configuration's epochs (>= 2: epoch 0 is warm-up)")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
+    p.add_argument(
+        "--launcher",
+        choices=["lightning", "torchrun"],
+        default="lightning",
+        help="how the template's ranks start: `python main.py` (users' default) or `torchrun main.py`",
+    )
+    p.add_argument("--project", type=Path, help="an already baked project (default: bake this repository)")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OpenMP threads per process for both sides; 0 = "
+        "Lightning's choice (cores // processes). 1 keeps a shared machine's noise from turning into "
+        "OpenMP spin-waits",
+    )
+    p.add_argument(
+        "--no-fixed-malloc",
+        dest="fixed_malloc",
+        action="store_false",
+        help="leave glibc's malloc thresholds to each process (see run_env)",
+    )
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run before it is killed")
+    p.add_argument(
+        "template_args",
+        nargs="*",
+        help="extra `main.py fit` arguments after --, e.g. -- --trainer.enable_progress_bar false",
+    )
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `run` can clean up on kill
+
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
+        work = Path(tmp)
+        project = args.project.resolve() if args.project else bake(work / "baked")
+        rows = []
+        for name in args.configs.split(","):
+            for procs in map(int, args.procs.split(",")):
+                pairs = [bench_pair(project, work, name, procs, i, args) for i in range(args.repeats)]
+                rows.append(summarise(name, procs, pairs, args))
+                print(f"{name} x{procs}: ratio {fmt(rows[-1]['ratio'], 3)}", file=sys.stderr, flush=True)
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "lightning": version("lightning"),
+        "accelerator": args.accelerator,
+        "device": torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu",
+        "precision": args.precision,
+        "total_s": round(time.time() - started, 1),
+    }
+    print(json.dumps(machine))
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""A Lightning callback that records when each training batch starts, for `run.py`.
+
+Injected into the generated project's own `main.py` with
+`--trainer.callbacks+=steptimer.StepTimer` and `benchmarks/` on PYTHONPATH, so
+the project runs with its default config otherwise. It writes rank 0's record to
+the JSON file named by the environment variable BENCH_TIMES (every rank gets the
+same environment; only rank 0 writes) and the final weights to BENCH_TIMES.weights.pt.
+"""
+
+import json
+import os
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.profilers import SimpleProfiler
+
+
+class StepTimer(L.Callback):
+    """Records (epoch, perf_counter, process_time) at every `on_train_batch_start`; wall clock of the first."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, float, float]] = []
+        self.first_step_wall: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The same point as the raw loop's timestamp: the batch is fetched, the step is about to run.
+        if self.first_step_wall is None:
+            self.first_step_wall = time.time()
+        self.starts.append((trainer.current_epoch, time.perf_counter(), time.process_time()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0 and os.environ.get("BENCH_TIMES"):
+            record = {
+                "starts": self.starts,
+                "first_step_wall": self.first_step_wall,
+                "train_end_wall": time.time(),
+                "world_size": trainer.world_size,
+            }
+            with open(os.environ["BENCH_TIMES"], "w") as f:
+                json.dump(record, f)
+            # The final weights, saved here because Lightning 2.6's last.ckpt is only rewritten when a
+            # top-k checkpoint is saved at the same step: with save_top_k=1 it holds the best epoch.
+            torch.save(pl_module.state_dict(), os.environ["BENCH_TIMES"] + ".weights.pt")
+
+
+class SkipSigtermBroadcast(L.Callback):
+    """Measurement only: turns off Lightning 2.6's per-step SIGTERM broadcast, to show what it costs.
+
+    With more than one process, Lightning broadcasts a flag from rank 0 and reads
+    it back with `.item()` at every training step (upstream PR #20825; the cost is
+    discussed in issue #21487 and PR #21640 proposes a frequency setting). Without
+    it, a SIGTERM to one rank can leave the others hanging, so this is not for
+    real training.
+    """
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+class CPUTimeProfiler(SimpleProfiler):
+    """Lightning's SimpleProfiler timing each hook with the thread's CPU time instead of the wall clock.
+
+    Time spent descheduled by other processes does not count, so per-hook costs
+    stay readable on a busy machine. Writes {action: [seconds, ...]} to the JSON
+    file named by BENCH_HOOKS (rank 0).
+    """
+
+    def start(self, action_name: str) -> None:
+        self.current_actions[action_name] = time.thread_time()
+
+    def stop(self, action_name: str) -> None:
+        self.recorded_durations[action_name].append(time.thread_time() - self.current_actions.pop(action_name))
+
+    def teardown(self, stage: str | None) -> None:
+        if os.environ.get("BENCH_HOOKS") and self.local_rank in (None, 0) and self.recorded_durations:
+            with open(os.environ["BENCH_HOOKS"], "w") as f:
+                json.dump(dict(self.recorded_durations), f)
+        super().teardown(stage)

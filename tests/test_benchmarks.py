@@ -1,0 +1,98 @@
+"""The benchmark in benchmarks/: it runs and reports, and its MFU arithmetic. No timing is asserted."""
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+mfu_module = importlib.import_module("mfu")  # benchmarks/mfu.py
+mfu, mlp_train_flops, peak_flops = mfu_module.mfu, mfu_module.mlp_train_flops, mfu_module.peak_flops
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One tiny benchmark: the small config, 2 processes, one A/B pair, 2 epochs (epoch 0 untimed)."""
+    out = tmp_path_factory.mktemp("bench") / "report.json"
+    cmd = [sys.executable, str(BENCH / "run.py"), "--configs", "small", "--procs", "2", "--repeats", "1",
+           "--epochs", "2", "--json", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: run.py then kills the training processes it started in their own sessions.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            text, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+        raise AssertionError(f"benchmark timed out:\n{text[-4000:]}") from None
+    assert proc.returncode == 0, text[-4000:]
+    return json.loads(out.read_text()), text
+
+
+def test_report_has_one_row_with_every_figure(report):
+    """The JSON row names its config and carries step times, ratio, start-up and wall time for both sides."""
+    data, _ = report
+    (row,) = data["rows"]
+    assert (row["config"], row["procs"], row["repeats"]) == ("small", 2, 1)
+    for key in ("step_ms", "cpu_ms", "first_step_s", "wall_s"):
+        assert row[f"raw_{key}"]["median"] > 0 and row[f"template_{key}"]["median"] > 0, key
+    assert row["ratio"]["median"] == pytest.approx(row["template_step_ms"]["median"] / row["raw_step_ms"]["median"])
+    assert row["cpu_ratio"]["median"] == pytest.approx(row["template_cpu_ms"]["median"] / row["raw_cpu_ms"]["median"])
+    assert data["machine"]["cpus"] == os.cpu_count()
+
+
+def test_epoch_zero_is_not_timed(report):
+    """Epoch 1 alone is timed: 16 steps give 15 intervals between batch starts."""
+    (row,) = report[0]["rows"]
+    assert row["timed_steps"] == 15
+
+
+def test_raw_loop_and_template_end_with_the_same_weights(report):
+    """Same model, data order, optimizer and seed: the final weights agree to float rounding."""
+    (row,) = report[0]["rows"]
+    assert row["weight_diff"] < 1e-6
+
+
+def test_markdown_table_is_printed(report):
+    """stdout carries the results table with a `small` row for 2 processes."""
+    _, text = report
+    assert "| config | procs | raw ms/step | template ms/step | ratio |" in text
+    assert "| small | 2 |" in text
+
+
+def test_peak_flops_recognises_a_plain_h200():
+    """'NVIDIA H200' (the SXM part) gets the dense bf16 peak; Lightning's lookup returns nothing for it."""
+    assert peak_flops("NVIDIA H200", "bf16") == 989.5e12
+    assert peak_flops("NVIDIA H200 NVL", "bf16") == 835.5e12
+
+
+def test_peak_flops_tells_h100_variants_apart():
+    """The SXM (HBM3) and PCIe H100s have different peaks."""
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+
+
+def test_unknown_device_or_dtype_has_no_peak():
+    """No guess for a device or dtype that is not in the table."""
+    assert peak_flops("cpu", "bf16") is None
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "int4") is None
+
+
+def test_mlp_flops_count_matmuls_only():
+    """64-128-128-10 MLP, batch 2: 6 FLOPs per weight and sample, 4 for the first layer."""
+    weights = [64 * 128, 128 * 128, 128 * 10]
+    assert mlp_train_flops(2, 64, 128, 2, 10) == 2 * (6 * sum(weights) - 2 * weights[0]) == 277504
+
+
+def test_mfu_divides_by_every_device():
+    """1 TFLOP per 0.5 s step on 4 devices of 1 TFLOP/s each is 50%."""
+    assert mfu(1e12, 0.5, 1e12, 4) == pytest.approx(0.5)
