@@ -15,6 +15,8 @@ from cookiecutter.exceptions import FailedHookException
 COMMON = {
     ".gitignore",
     "README.md",
+    "cluster/slurm.sbatch",
+    "cluster/torchrun.sh",
     "config.yaml",
     "main.py",
     "pyproject.toml",
@@ -23,11 +25,15 @@ COMMON = {
     "ddp_digits/digits.csv.gz",
     "ddp_digits/model.py",
     "ddp_digits/module.py",
+    "ddp_digits/requeue.py",
     "ddp_digits/sampling.py",
+    "tests/fake_cluster.py",
     "tests/helpers.py",
+    "tests/rank_probe.py",
     "tests/test_cli.py",
     "tests/test_data.py",
     "tests/test_module.py",
+    "tests/test_multinode.py",
     "tests/test_sampling.py",
 }
 WORKFLOW = ".github/workflows/tests.yml"
