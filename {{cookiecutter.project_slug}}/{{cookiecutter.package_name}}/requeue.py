@@ -2,9 +2,9 @@
 
 SLURM sends SIGUSR1 (`#SBATCH --signal=SIGUSR1@90`) to every task shortly before
 the time limit. Lightning's own handler saves the checkpoint *inside* the signal
-handler, wherever each rank happens to be; the save ends with a barrier that can
-meet another rank's gradient all-reduce instead, and 2 CPU ranks hung that way in
-our tests. This callback only notes the signal; at the next step boundary the
+handler, wherever each rank happens to be, and the save ends with a barrier that
+another rank may meet inside a different collective: in one of two tries here, 2
+CPU ranks hung after rank 0 had written the file. This callback only notes the signal; at the next step boundary the
 ranks agree (one all-reduce), all save `hpc_ckpt_N.ckpt` together, rank 0 runs
 `scontrol requeue`, and training stops. The requeued job runs the same command
 and Lightning restores the newest `hpc_ckpt_N.ckpt` in `default_root_dir` by
