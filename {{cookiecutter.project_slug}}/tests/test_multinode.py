@@ -20,6 +20,8 @@ from fake_cluster import (
 )
 from helpers import run_ok
 
+from {{ cookiecutter.package_name }}.requeue import next_hpc_checkpoint
+
 # float64 and 2 epochs (32 steps, across an epoch boundary): equal weights up to float64 rounding.
 TRAIN = ["--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"]
 TRAIN += ["--trainer.enable_progress_bar", "false", "--trainer.callbacks+=rank_probe.RankProbe"]
@@ -102,3 +104,11 @@ def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(
             f"RANK_PROBE global={rank} local={rank} node=0 world=2 env=SLURMEnvironment step={saved_step}"
         ]
     assert torch.load(last_checkpoint(root), weights_only=True)["global_step"] == 48  # 3 epochs x 16 steps
+
+
+def test_next_hpc_checkpoint_follows_the_highest_number(tmp_path):
+    """Lightning resumes from the highest hpc_ckpt_N.ckpt, so a new save takes N + 1 (1 in an empty dir)."""
+    assert next_hpc_checkpoint(tmp_path) == tmp_path / "hpc_ckpt_1.ckpt"
+    for name in ("hpc_ckpt_2.ckpt", "hpc_ckpt_10.ckpt", "hpc_ckpt_x.ckpt"):
+        (tmp_path / name).touch()
+    assert next_hpc_checkpoint(tmp_path) == tmp_path / "hpc_ckpt_11.ckpt"
