@@ -122,8 +122,11 @@ def last_checkpoint(root: Path) -> Path:
     return path
 
 
-def last_weights(root: Path) -> dict[str, torch.Tensor]:
-    return torch.load(last_checkpoint(root), weights_only=True)["state_dict"]
+def last_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
+    """The weights in last.ckpt, checked to be from `global_step` (it is only rewritten when val/acc improves)."""
+    ckpt = torch.load(last_checkpoint(root), weights_only=True)
+    assert ckpt["global_step"] == global_step
+    return ckpt["state_dict"]
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -19,7 +19,7 @@ def ddp_weights(tmp_path_factory):
     """Weights after 2 epochs of DDP on 1 device."""
     root = tmp_path_factory.mktemp("ddp")
     run_ok("fit", *CPU, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(root), cwd=root, timeout=240)
-    return last_weights(root)
+    return last_weights(root, 32)
 
 
 def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(ddp_weights, tmp_path):
