@@ -11,7 +11,6 @@ from fake_cluster import (
     finish,
     free_port,
     kill_group,
-    last_checkpoint,
     last_weights,
     max_abs_diff,
     slurm_env,
