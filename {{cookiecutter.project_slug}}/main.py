@@ -27,6 +27,8 @@ def main(args: list[str] | None = None) -> None:
         parser_kwargs={
             cmd: {"default_config_files": [DEFAULT_CONFIG]} for cmd in ("fit", "validate", "test", "predict")
         },
+        # A requeued SLURM job logs to the same version_<job id> directory; let it rewrite the saved config.
+        save_config_kwargs={"overwrite": True},
         args=args,
     )
 

@@ -8,11 +8,12 @@ validation and test numbers count every sample exactly once on any world size.
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from .model import MLP
+from .sharding import shard_layers
 
 
 class DigitsClassifier(L.LightningModule):
@@ -59,6 +60,10 @@ class DigitsClassifier(L.LightningModule):
         # float64 run would resume from weights rounded to float32. Convert first, so it resumes exactly.
         if self.trainer.precision == "64-true":
             self.double()
+        # Only under ModelParallelStrategy (configs/model_parallel.yaml) is there a device mesh: then each
+        # Linear layer is sharded over the ranks. Under DDP this does nothing.
+        if self.device_mesh is not None:
+            shard_layers(self.model, [m for m in self.model.modules() if isinstance(m, nn.Linear)], self.device_mesh)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
