@@ -48,8 +48,9 @@ class Thresholds:
     Args:
         min_step_ms: Steps shorter than this do too little work: fixed per-step costs (Python, kernel
             launches, all-reduce latency) dominate and more devices cannot help.
-        straggler_spread: Flag a straggler when the slowest rank's own work (data wait + compute) takes this
-            many times the fastest rank's.
+        straggler_wait_share: Flag a straggler when the fastest rank waits this share of each step for the
+            slowest: the difference of their own work (data wait + compute), which the fast rank spends
+            waiting in the all-reduce. (A ratio of work alone misfires when work is a small part of the step.)
         data_wait_share: Flag data-bound when the ranks wait this share of each step for the next batch.
         comm_share: Flag communication-bound when the all-reduce takes this share of the step on the rank
             that waits least for it (the last to arrive sees the transfer, not the others' lateness).
@@ -57,10 +58,20 @@ class Thresholds:
     """
 
     min_step_ms: float = 10.0
-    straggler_spread: float = 1.5
+    straggler_wait_share: float = 0.25
     data_wait_share: float = 0.2
     comm_share: float = 0.3
     memory_imbalance: float = 1.3
+
+
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: all-reduces of buckets that overlap count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def summarize(rows: list[list[float]], context: dict) -> dict:
@@ -100,6 +111,7 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         "data_wait_pct": 100 * sum(r["data_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
         "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
         "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
+        "straggler_wait_pct": 100 * (max(work) - min(work)) / step_ms if step_ms else 0.0,
         "memory_imbalance": max(mem) / min(mem) if min(mem) > 0 else 1.0,
         "ranks": ranks,
     }
@@ -130,16 +142,16 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
                 f"→ raise the per-device batch (now {batch}) or the model size per step, or use fewer devices",
             }
         )
-    if s["straggler_spread"] >= t.straggler_spread:
+    if s["straggler_wait_pct"] >= 100 * t.straggler_wait_share:
         slow = max(ranks, key=lambda r: r["work_ms"])
         fast = min(ranks, key=lambda r: r["work_ms"])
         found.append(
             {
                 "cause": "straggler",
                 "fix": f"rank {slow['rank']} is a straggler: its own work takes {s['straggler_spread']:.1f}x "
-                f"rank {fast['rank']}'s ({slow['work_ms']:.1f} vs {fast['work_ms']:.1f} ms per step) and the "
-                "others wait for it in the all-reduce → check that rank's data shard and loader, its CPU cores "
-                "(cores per rank), and other jobs or throttling on its device",
+                f"rank {fast['rank']}'s ({slow['work_ms']:.1f} vs {fast['work_ms']:.1f} ms per step), so the "
+                f"others wait {s['straggler_wait_pct']:.0f}% of each step for it → check that rank's data shard and "
+                "loader, its CPU cores (cores per rank), and other jobs or throttling on its device",
             }
         )
     if s["data_wait_pct"] >= 100 * t.data_wait_share:
@@ -147,7 +159,7 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
         found.append(
             {
                 "cause": "data-bound",
-                "fix": f"data-bound: {s['data_wait_pct']:.0f}% of each step waits for data → raise "
+                "fix": f"{s['data_wait_pct']:.0f}% of each step waits for data → raise "
                 f"--data.num_workers (now {workers}), set pin_memory=True (now {pin}) and "
                 "persistent_workers=True, or make loading cheaper (decode/augment once, cache, faster disk)",
             }
@@ -157,7 +169,7 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
         found.append(
             {
                 "cause": "communication-bound",
-                "fix": f"communication-bound: the gradient all-reduce is {s['comm_pct']:.0f}% of the step "
+                "fix": f"the gradient all-reduce is {s['comm_pct']:.0f}% of the step "
                 f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → larger per-device batch "
                 f"(now {batch}), gradient accumulation (--trainer.accumulate_grad_batches), a larger DDP "
                 "bucket_cap_mb, or a compressing comm hook (fp16/bf16)",
@@ -181,7 +193,8 @@ def format_report(s: dict) -> str:
         )
     lines.append(
         f"data wait {s['data_wait_pct']:.0f}% | comm {s['comm_pct']:.0f}% | straggler spread "
-        f"{s['straggler_spread']:.2f}x | memory imbalance {s['memory_imbalance']:.2f}x"
+        f"{s['straggler_spread']:.2f}x (fastest rank waits {s['straggler_wait_pct']:.0f}%) | "
+        f"memory imbalance {s['memory_imbalance']:.2f}x"
     )
     if not s["findings"]:
         lines.append("verdict: healthy (no bottleneck above the thresholds)")
@@ -215,7 +228,7 @@ class ScalingDoctor(L.Callback):
             other batches count only towards throughput.
         summary_file: Name of the JSON summary written into the run's log directory; empty for none.
         min_step_ms: See `Thresholds`.
-        straggler_spread: See `Thresholds`.
+        straggler_wait_share: See `Thresholds`.
         data_wait_share: See `Thresholds`.
         comm_share: See `Thresholds`.
         memory_imbalance: See `Thresholds`.
@@ -229,14 +242,14 @@ class ScalingDoctor(L.Callback):
         cuda_sample_every: int = 10,
         summary_file: str = "doctor.json",
         min_step_ms: float = Thresholds.min_step_ms,
-        straggler_spread: float = Thresholds.straggler_spread,
+        straggler_wait_share: float = Thresholds.straggler_wait_share,
         data_wait_share: float = Thresholds.data_wait_share,
         comm_share: float = Thresholds.comm_share,
         memory_imbalance: float = Thresholds.memory_imbalance,
     ) -> None:
         self.enabled, self.report_every_n_steps, self.warmup_steps = enabled, report_every_n_steps, warmup_steps
         self.cuda_sample_every, self.summary_file = cuda_sample_every, summary_file
-        self.thresholds = Thresholds(min_step_ms, straggler_spread, data_wait_share, comm_share, memory_imbalance)
+        self.thresholds = Thresholds(min_step_ms, straggler_wait_share, data_wait_share, comm_share, memory_imbalance)
         self.summary: dict | None = None  # the last report's numbers, on every rank
 
     # ---- set-up -------------------------------------------------------------------------------------------
@@ -255,7 +268,7 @@ class ScalingDoctor(L.Callback):
         self._comm_measured = False
         self._data_measured = self._time_fetches(trainer)
         if not self._data_measured:
-            rank_zero_warn("ScalingDoctor: cannot time the data fetch in this Lightning version; data wait not measured.")
+            rank_zero_warn("ScalingDoctor: cannot time the data fetch with this Lightning version; data wait is 0.")
         model = trainer.strategy.model
         # The strategy has wrapped the model by now and no backward has run yet: the last moment to add a hook.
         if isinstance(model, DistributedDataParallel):
@@ -286,17 +299,11 @@ class ScalingDoctor(L.Callback):
         return time.perf_counter()
 
     def _comm_seconds(self) -> float:
-        """Union of this batch's all-reduce intervals: buckets overlap each other and are counted once."""
         spans = self._comm
         if self._cuda and spans:
             ref = spans[0][0]
             spans = [(ref.elapsed_time(a) / 1000, ref.elapsed_time(b) / 1000) for a, b in spans]
-        total, reach = 0.0, float("-inf")
-        for a, b in sorted(spans):
-            if b > reach:
-                total += b - max(a, reach)
-                reach = b
-        return total
+        return covered_seconds(spans)
 
     # ---- per step ----------------------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -418,6 +425,7 @@ _SCALARS = (
     "data_wait_pct",
     "comm_pct",
     "straggler_spread",
+    "straggler_wait_pct",
     "memory_imbalance",
 )
 _RANK_SCALARS = ("samples_per_s", "step_ms", "data_ms", "compute_ms", "comm_ms", "peak_mem_mb")
