@@ -184,6 +184,8 @@ def format_report(s: dict) -> str:
         f"Scaling doctor: {s['world_size']} x {s['device']}, {s['steps']} steps, "
         f"{s['samples_per_s']:.0f} samples/s ({s['samples_per_s_per_device']:.0f} per device), "
         f"{s['steps_per_s']:.1f} steps/s",
+        f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "
+        f"{s.get('cpu_threads_per_rank')} torch threads per rank, {s.get('num_workers')} loader workers per rank",
         "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | peak MB",
     ]
     for r in s["ranks"]:
@@ -196,6 +198,12 @@ def format_report(s: dict) -> str:
         f"{s['straggler_spread']:.2f}x (fastest rank waits {s['straggler_wait_pct']:.0f}%) | "
         f"memory imbalance {s['memory_imbalance']:.2f}x"
     )
+    load, cores = s.get("host_load_1min"), s.get("cpu_cores_visible")
+    if load and cores and load > cores:
+        lines.append(
+            f"note: host load {load:.1f} > {cores} cores: other processes compete with the ranks for the CPU, "
+            "so every time above is inflated (no verdict accounts for this)"
+        )
     if not s["findings"]:
         lines.append("verdict: healthy (no bottleneck above the thresholds)")
     for f in s["findings"]:
@@ -414,6 +422,8 @@ class ScalingDoctor(L.Callback):
             "pin_memory": getattr(loader, "pin_memory", None),
             "cpu_threads_per_rank": torch.get_num_threads(),
             "cpu_cores_visible": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            # Other processes competing for the CPU slow every rank alike; no verdict sees that, so print it.
+            "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         }
 
 
