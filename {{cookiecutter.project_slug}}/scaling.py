@@ -98,7 +98,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax.plot(devices, [d / devices[0] for d in devices], "--", color="gray", label="ideal")
     ax.plot(devices, [r["speedup"] for r in rows], "o-", label="measured")
     for r in rows:
-        ax.annotate(r["verdict"], (r["devices"], r["speedup"]), textcoords="offset points", xytext=(4, -12))
+        ax.annotate(r["verdict"], (r["devices"], r["speedup"]), textcoords="offset points", xytext=(-6, 6), ha="right")
+    ax.margins(x=0.2)  # room for the verdict labels
     ax.set(xlabel="devices", ylabel=f"speed-up over {devices[0]} device(s)", xticks=devices, title="Scaling")
     ax.legend()
     fig.tight_layout()
