@@ -89,6 +89,11 @@ def test_memory_imbalance_names_the_ranks():
     assert finding["fix"].startswith("rank 1 peaks at 1.8x the memory of rank 0")
 
 
+def test_no_timed_step_is_unmeasured():
+    """A fit that ended inside the warm-up has no numbers to judge, and says so instead of guessing."""
+    assert verdicts(rank(steps=0), rank(steps=0)) == ["unmeasured"]
+
+
 def test_thresholds_decide():
     """The same numbers pass or fail with the threshold moved."""
     s = summarize([rank(comm_ms=12)] * 2, {})

@@ -119,8 +119,10 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
 
 def diagnose(s: dict, t: Thresholds) -> list[dict]:
     """Findings with their fix, most fundamental first; an empty list means healthy."""
-    found = []
     ranks = s["ranks"]
+    if not s["step_ms"]:
+        return [{"cause": "unmeasured", "fix": "no step after the warm-up steps was timed → train for more steps"}]
+    found = []
     batch = round(ranks[0]["batch"])
     if s["memory_imbalance"] >= t.memory_imbalance:
         hi = max(ranks, key=lambda r: r["peak_mem_mb"])
