@@ -134,8 +134,10 @@ def memory_hog(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory):
-    """Rank 1 sleeps 30 ms in every training step."""
-    return doctor_fit(tmp_path_factory.mktemp("straggler"), "--model", "doctor_cases.Straggler")
+    """Rank 1 sleeps 30 ms in every training step; the doctor also reports every 10 batches."""
+    root = tmp_path_factory.mktemp("straggler")
+    every_10 = ("--trainer.callbacks.init_args.report_every_n_steps", "10")
+    return doctor_fit(root, "--model", "doctor_cases.Straggler", *every_10)
 
 
 def test_report_is_printed_once_with_a_row_per_rank(data_bound):
@@ -175,6 +177,13 @@ def test_sleeping_rank_is_a_straggler(straggler):
     fast, slow = summary["ranks"]
     assert summary["verdict"] == "straggler" and summary["findings"][0]["fix"].startswith("rank 1 is a straggler")
     assert slow["work_ms"] - fast["work_ms"] > 20 and fast["comm_ms"] - slow["comm_ms"] > 20
+
+
+def test_periodic_reports_cover_their_window(straggler):
+    """Every 10 batches a report of those batches (7 after the 3 warm-up ones, then 10), then the whole fit."""
+    _, out = straggler
+    heads = [line.split(" steps")[0] for line in out.splitlines() if line.startswith("Scaling doctor: ")]
+    assert heads == [f"Scaling doctor: 2 x cpu, {n}" for n in (7, 10, 17)]
 
 
 def test_doctor_can_be_switched_off(tmp_path):
