@@ -87,9 +87,10 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     off, on = [], []
-    for _ in range(args.reps):
-        off.append(step_ms(False, args.steps, args.global_batch_size))
-        on.append(step_ms(True, args.steps, args.global_batch_size))
+    for rep in range(args.reps):
+        # Alternate which goes first, so a drift in the host's load does not favour one side.
+        for doctor in (False, True) if rep % 2 == 0 else (True, False):
+            (on if doctor else off).append(step_ms(doctor, args.steps, args.global_batch_size))
     ratios = [b / a for a, b in zip(off, on, strict=True)]
     hook_us = 1e6 * TimedDoctor.hook_s / (args.reps * args.steps)
     result = {
