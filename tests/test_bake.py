@@ -26,14 +26,17 @@ COMMON = {
     "ddp_digits/doctor.py",
     "ddp_digits/model.py",
     "ddp_digits/module.py",
+    "ddp_digits/parity.py",
     "ddp_digits/sampling.py",
     "tests/doctor_cases.py",
     "tests/doctor_overhead.py",
     "tests/helpers.py",
+    "tests/parity_probe.py",
     "tests/test_cli.py",
     "tests/test_data.py",
     "tests/test_doctor.py",
     "tests/test_module.py",
+    "tests/test_parity.py",
     "tests/test_sampling.py",
 }
 WORKFLOW = ".github/workflows/tests.yml"

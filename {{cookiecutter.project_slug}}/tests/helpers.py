@@ -10,29 +10,40 @@ PROJECT = Path(__file__).resolve().parents[1]
 MAIN = PROJECT / "main.py"
 
 
+def start(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own session, so the DDP ranks it launches share one process group to kill."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a process from `start`; on timeout kill every process it started, then fail."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(proc.args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill the process group of a process from `start`: the process and any rank it left behind."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the whole group has already exited
+
+
 def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python main.py *args`; on timeout kill every process it started, then fail.
 
     The run gets its own session, so the DDP ranks it launches share one process
     group and a hang ends with all of them killed instead of blocking the suite.
     """
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
-        [sys.executable, str(MAIN), *args],
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+    return finish(start([sys.executable, str(MAIN), *args], cwd, env), timeout)
 
 
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:

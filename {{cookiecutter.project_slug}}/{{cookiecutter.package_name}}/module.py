@@ -54,6 +54,12 @@ class DigitsClassifier(L.LightningModule):
             MulticlassAccuracy(num_classes, average="micro"),
         )
 
+    def configure_model(self) -> None:
+        # Lightning loads a checkpoint's weights before it converts the module to the run's dtype: a
+        # float64 run would resume from weights rounded to float32. Convert first, so it resumes exactly.
+        if self.trainer.precision == "64-true":
+            self.double()
+
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
 

@@ -1,0 +1,124 @@
+"""Compare two training runs: did N devices train the same model as 1 device?
+
+A run is a Lightning log directory (`lightning_logs/version_N`): its
+`checkpoints/last.ckpt` holds the final weights and its TensorBoard file the
+logged scalars. `tests/test_parity.py` compares runs with these functions; do
+the same with your own runs from the command line:
+
+    python -m {{ cookiecutter.package_name }}.parity one/lightning_logs/version_0 two/lightning_logs/version_0
+
+Each weight tensor (and each logged tag, over its steps) gets
+    max_abs = max |a - b|
+    max_rel = max |a - b| / max |a|
+max_rel is relative to the tensor's scale, so entries near zero do not inflate it.
+"""
+
+import argparse
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Diff:
+    """How far apart one tensor (or one logged tag) is in two runs."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+
+    def __str__(self) -> str:
+        return f"{self.name}: max_abs {self.max_abs:.3g}, max_rel {self.max_rel:.3g}"
+
+
+def diff(name: str, a: Tensor, b: Tensor) -> Diff:
+    """Compare `b` with the reference `a`; a NaN in either gives NaN, which fails every bound."""
+    if a.shape != b.shape:
+        raise ValueError(f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.numel() == 0:
+        return Diff(name, 0.0, 0.0)
+    max_abs = (a - b).abs().max().item()
+    scale = a.abs().max().item()
+    if scale > 0 or math.isnan(scale):
+        max_rel = max_abs / scale
+    else:
+        max_rel = 0.0 if max_abs == 0 else math.inf
+    return Diff(name, max_abs, max_rel)
+
+
+def _only_in(a: Mapping, b: Mapping) -> str:
+    return f"only in a {sorted(a.keys() - b.keys())}, only in b {sorted(b.keys() - a.keys())}"
+
+
+def worst_first(diffs: list[Diff]) -> list[Diff]:
+    """Largest max_rel first, NaN before everything."""
+    return sorted(diffs, key=lambda d: math.inf if math.isnan(d.max_rel) else d.max_rel, reverse=True)
+
+
+def load_weights(checkpoint: str | Path) -> dict[str, Tensor]:
+    """The model weights (`state_dict`) of a Lightning checkpoint, on the CPU."""
+    # weights_only=False: Lightning checkpoints also hold hyperparameters; load only files you trust.
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def weight_diffs(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> list[Diff]:
+    """One `Diff` per tensor, worst first; different names or shapes are an error, not a difference."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different tensors: {_only_in(a, b)}")
+    return worst_first([diff(name, a[name], b[name]) for name in a])
+
+
+def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
+    """Every scalar in the TensorBoard files of `log_dir`, as {tag: {step: value}} (stored as float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every step
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def scalar_diffs(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[int, float]]) -> list[Diff]:
+    """One `Diff` per logged tag over all its steps, worst first; different tags or steps are an error."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different tags: {_only_in(a, b)}")
+    diffs = []
+    for tag in a:
+        if a[tag].keys() != b[tag].keys():
+            raise ValueError(f"{tag}: logged at steps {sorted(a[tag])} vs {sorted(b[tag])}")
+        steps = sorted(a[tag])
+        diffs.append(diff(tag, torch.tensor([a[tag][s] for s in steps]), torch.tensor([b[tag][s] for s in steps])))
+    return worst_first(diffs)
+
+
+def report(diffs: list[Diff], limit: int = 5) -> str:
+    """The `limit` worst differences, one a line, for an assertion message."""
+    lines = [f"  {d}" for d in diffs[:limit]]
+    if len(diffs) > limit:
+        lines.append(f"  ... and {len(diffs) - limit} more")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compare the final weights and logged scalars of two runs.")
+    parser.add_argument("a", type=Path, help="reference run: a lightning_logs/version_N directory")
+    parser.add_argument("b", type=Path, help="run to compare, e.g. the same training on more devices")
+    parser.add_argument("--checkpoint", default="checkpoints/last.ckpt", help="checkpoint path inside each run")
+    parser.add_argument("--rel-tol", type=float, default=1e-5, help="fail above this max_rel (float32: 1e-5)")
+    args = parser.parse_args(argv)
+    weights = weight_diffs(load_weights(args.a / args.checkpoint), load_weights(args.b / args.checkpoint))
+    scalars = scalar_diffs(read_scalars(args.a), read_scalars(args.b))
+    print(f"weights, worst of {len(weights)} tensors:\n{report(weights)}")
+    print(f"logged scalars, worst of {len(scalars)} tags:\n{report(scalars)}")
+    worst = worst_first(weights + scalars)[0].max_rel if weights + scalars else 0.0
+    ok = worst <= args.rel_tol  # False for NaN
+    print(f"{'PASS' if ok else 'FAIL'}: worst max_rel {worst:.3g} vs --rel-tol {args.rel_tol:g}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
