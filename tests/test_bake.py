@@ -21,14 +21,17 @@ COMMON = {
     "configs/fsdp.yaml",
     "configs/lm.yaml",
     "configs/model_parallel.yaml",
+    "docs/scaling-2cpu.png",
     "main.py",
     "pyproject.toml",
+    "scaling.py",
     "ddp_digits/__init__.py",
     "ddp_digits/data.py",
     "ddp_digits/digits.csv.gz",
     "ddp_digits/ecclesiastes.txt",
     "ddp_digits/gpt.py",
     "ddp_digits/lm.py",
+    "ddp_digits/doctor.py",
     "ddp_digits/model.py",
     "ddp_digits/module.py",
     "ddp_digits/parity.py",
@@ -37,12 +40,15 @@ COMMON = {
     "ddp_digits/sharding.py",
     "ddp_digits/text.py",
     "tests/fake_cluster.py",
+    "tests/doctor_cases.py",
+    "tests/doctor_overhead.py",
     "tests/helpers.py",
     "tests/parity_probe.py",
     "tests/rank_probe.py",
     "tests/test_cli.py",
     "tests/test_data.py",
     "tests/test_lm.py",
+    "tests/test_doctor.py",
     "tests/test_module.py",
     "tests/test_parity.py",
     "tests/test_multinode.py",
@@ -94,7 +100,7 @@ def test_custom_names_reach_paths_and_imports(tmp_path):
 def test_no_template_syntax_left(default_project):
     """No `{{`, `{%` or `cookiecutter` remains in any generated text file."""
     for path in default_project.rglob("*"):
-        if path.is_file() and path.suffix != ".gz":
+        if path.is_file() and path.suffix not in (".gz", ".png"):
             text = path.read_text()
             assert "{{" not in text and "{%" not in text and "cookiecutter" not in text, path
 

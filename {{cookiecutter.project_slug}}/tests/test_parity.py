@@ -254,7 +254,8 @@ def test_2_devices_write_one_set_of_files(cpu_runs):
     names = [n.rsplit("/", 1)[1] for n in checkpoints]
     assert names == ["best-*", EPOCH_0_CKPT, f"epoch=1-step={STEPS}.ckpt", "last.ckpt"]
     assert set(written) - set(checkpoints) == {
-        f"lightning_logs/version_0/{n}" for n in ("config.yaml", "hparams.yaml", "events.out.tfevents")
+        f"lightning_logs/version_0/{n}"
+        for n in ("config.yaml", "hparams.yaml", "events.out.tfevents", "doctor.json")  # doctor: rank 0 only
     }
     # TensorBoard names its file after the writing process: rank 0.
     (events,) = two.version.glob("events.out.tfevents.*")

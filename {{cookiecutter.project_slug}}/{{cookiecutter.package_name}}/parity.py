@@ -74,12 +74,17 @@ def weight_diffs(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> list[Diff]
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
-    """Every scalar in the TensorBoard files of `log_dir`, as {tag: {step: value}} (stored as float32)."""
+    """Every training scalar in the TensorBoard files of `log_dir`, as {tag: {step: value}} (stored as float32).
+
+    The scaling doctor's `doctor/*` tags are left out: they measure speed and memory, which differ between
+    runs by design, and a 2-device run has per-rank tags a 1-device run does not.
+    """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every step
     events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    tags = [tag for tag in events.Tags()["scalars"] if not tag.startswith("doctor/")]
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in tags}
 
 
 def scalar_diffs(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[int, float]]) -> list[Diff]:

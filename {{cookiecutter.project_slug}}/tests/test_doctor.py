@@ -1,0 +1,268 @@
+"""The scaling doctor: its verdicts on plain numbers, and real 2-process runs whose cause of poor scaling is known."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import PROJECT, run_ok
+
+from {{ cookiecutter.package_name }}.doctor import FIELDS, Thresholds, covered_seconds, diagnose, summarize
+
+TESTS = Path(__file__).resolve().parent
+# Two CPU processes, a few steps, nothing printed or checked that the doctor does not need.
+FIT = (
+    "fit",
+    "--trainer.accelerator",
+    "cpu",
+    "--trainer.devices",
+    "2",
+    "--trainer.max_steps",
+    "20",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.num_sanity_val_steps",
+    "0",
+)
+CASES = {"PYTHONPATH": str(TESTS)}  # tests/doctor_cases.py, selected with --model / --data
+
+
+# ---- verdicts on plain numbers -------------------------------------------------------------------------------
+def rank(step_ms=50.0, data_ms=2.0, busy_ms=40.0, comm_ms=5.0, peak_mb=500.0, steps=100, batch=32) -> list[float]:
+    """One rank's gathered row (FIELDS) for `steps` timed steps of the given per-step times."""
+    per = {"data_s": data_ms, "busy_s": busy_ms, "comm_s": comm_ms, "step_s": step_ms}
+    row = {"steps": steps, "wall_s": steps * step_ms / 1000, "samples": steps * batch, "timed_steps": steps}
+    row.update({k: steps * v / 1000 for k, v in per.items()})
+    row["peak_mem_bytes"] = peak_mb * 2**20
+    return [row[f] for f in FIELDS]
+
+
+def verdicts(*rows: list[float]) -> list[str]:
+    s = summarize(list(rows), {"num_workers": 0, "pin_memory": False, "grad_mb": 1.0})
+    return [f["cause"] for f in diagnose(s, Thresholds())]
+
+
+def test_balanced_numbers_are_healthy():
+    """Compute-dominated, balanced ranks: no finding at all."""
+    assert verdicts(rank(), rank()) == []
+
+
+def test_summary_numbers():
+    """Throughput adds over ranks; shares are of the step; spread and imbalance are max/min."""
+    s = summarize([rank(peak_mb=500), rank(peak_mb=750)], {})
+    assert s["samples_per_s"] == pytest.approx(2 * 32 / 0.05)
+    assert s["step_ms"] == pytest.approx(50) and s["data_wait_pct"] == pytest.approx(4)
+    assert s["comm_pct"] == pytest.approx(10) and s["memory_imbalance"] == pytest.approx(1.5)
+    assert s["ranks"][0]["compute_ms"] == pytest.approx(35) and s["ranks"][0]["other_ms"] == pytest.approx(8)
+
+
+def test_data_wait_share_is_data_bound():
+    """A quarter of each step waiting for batches is data-bound, with the worker count in the fix."""
+    s = summarize([rank(data_ms=12.5, busy_ms=30)] * 2, {"num_workers": 2, "pin_memory": False, "grad_mb": 1.0})
+    (finding,) = diagnose(s, Thresholds())
+    assert finding["cause"] == "data-bound" and "now 2" in finding["fix"] and finding["fix"].startswith("25%")
+
+
+def test_comm_share_uses_the_rank_that_waits_least():
+    """A slow rank makes the others wait in the all-reduce: straggler, not communication-bound."""
+    fast = rank(data_ms=2, busy_ms=45, comm_ms=35)  # own work 12 ms, 35 ms in the all-reduce
+    slow = rank(data_ms=2, busy_ms=45, comm_ms=3)  # own work 44 ms
+    assert verdicts(fast, slow) == ["straggler"]
+    assert verdicts(rank(comm_ms=20), rank(comm_ms=18)) == ["communication-bound"]
+
+
+def test_short_steps_are_too_little_work():
+    """4 ms steps are flagged before anything else they cause."""
+    short = rank(step_ms=4, data_ms=0.2, busy_ms=3, comm_ms=1.5)
+    assert verdicts(short, short) == ["too-little-work", "communication-bound"]
+
+
+def test_memory_imbalance_names_the_ranks():
+    """1.8x the memory on rank 1 is reported first, naming rank 1 and rank 0."""
+    s = summarize([rank(peak_mb=500), rank(peak_mb=900)], {})
+    (finding,) = diagnose(s, Thresholds())
+    assert finding["cause"] == "memory-imbalance"
+    assert finding["fix"].startswith("rank 1 peaks at 1.8x the memory of rank 0")
+
+
+def test_no_timed_step_is_unmeasured():
+    """A fit that ended inside the warm-up has no numbers to judge, and says so instead of guessing."""
+    assert verdicts(rank(steps=0), rank(steps=0)) == ["unmeasured"]
+
+
+def test_thresholds_decide():
+    """The same numbers pass or fail with the threshold moved."""
+    s = summarize([rank(comm_ms=12)] * 2, {})
+    assert diagnose(s, Thresholds()) == []
+    assert [f["cause"] for f in diagnose(s, Thresholds(comm_share=0.2))] == ["communication-bound"]
+
+
+def test_overlapping_all_reduces_count_once():
+    """Bucket intervals are merged: (0,2) + (1,3) + (5,6) cover 4 s."""
+    assert covered_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == pytest.approx(4.0)
+
+
+# ---- real 2-process runs with a known cause ----------------------------------------------------------------
+def doctor_fit(root: Path, *args: str) -> tuple[dict, str]:
+    """Fit on 2 CPU processes; return the doctor's JSON summary and the printed output."""
+    out = run_ok(*FIT, *args, "--trainer.default_root_dir", str(root), cwd=root, env=CASES, timeout=300)
+    return json.loads((root / "lightning_logs/version_0/doctor.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def data_bound(tmp_path_factory):
+    """2 ms of loading per sample, 8 samples per device and step: ~16 ms waiting per step."""
+    return doctor_fit(tmp_path_factory.mktemp("data"), "--data", "doctor_cases.SlowData")
+
+
+@pytest.fixture(scope="module")
+def comm_bound(tmp_path_factory):
+    """4.3 M parameters (17 MB of gradients) and 2 samples per device: the all-reduce dominates."""
+    root = tmp_path_factory.mktemp("comm")
+    return doctor_fit(root, "--model", "doctor_cases.WideModel", "--data.global_batch_size", "4")
+
+
+@pytest.fixture(scope="module")
+def memory_hog(tmp_path_factory):
+    """Rank 1 keeps an extra 400 MB tensor."""
+    return doctor_fit(tmp_path_factory.mktemp("memory"), "--model", "doctor_cases.MemoryHog")
+
+
+@pytest.fixture(scope="module")
+def straggler(tmp_path_factory):
+    """Rank 1 sleeps 100 ms in every training step; the doctor also reports every 10 batches."""
+    root = tmp_path_factory.mktemp("straggler")
+    every_10 = ("--trainer.callbacks.init_args.report_every_n_steps", "10")
+    return doctor_fit(root, "--model", "doctor_cases.Straggler", *every_10)
+
+
+def test_report_is_printed_once_with_a_row_per_rank(data_bound):
+    """Rank 0 alone prints the report; it has one table row per rank and the verdict."""
+    summary, out = data_bound
+    assert out.count("Scaling doctor: 2 x cpu, 17 steps") == 1  # 20 steps minus 3 warm-up
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert out.count("verdict: data-bound: ") == 1
+
+
+def test_sleepy_dataset_is_data_bound(data_bound):
+    """Loading sleeps make the verdict data-bound, with most of each step waiting for data on both ranks."""
+    summary, _ = data_bound
+    assert summary["verdict"] == "data-bound"
+    assert summary["data_wait_pct"] > 50 and all(r["data_ms"] >= 16 for r in summary["ranks"])
+
+
+def test_wide_model_with_tiny_batches_is_communication_bound(comm_bound):
+    """The all-reduce of 17 MB of gradients is over 30% of the step, measured by the comm hook."""
+    summary, _ = comm_bound
+    assert summary["comm_measured"] and summary["grad_mb"] == pytest.approx(16.6, abs=0.1)
+    assert "communication-bound" in [f["cause"] for f in summary["findings"]]
+    assert summary["comm_pct"] > 30 and summary["data_wait_pct"] < 10
+
+
+def test_extra_tensor_on_one_rank_is_memory_imbalance(memory_hog):
+    """Rank 1's peak RSS is ~400 MB above rank 0's, and the verdict says so first."""
+    summary, _ = memory_hog
+    mem = [r["peak_mem_mb"] for r in summary["ranks"]]
+    assert summary["verdict"] == "memory-imbalance" and mem[1] - mem[0] > 350
+    assert summary["findings"][0]["fix"].startswith("rank 1 peaks at")
+
+
+def test_sleeping_rank_is_a_straggler(straggler):
+    """Rank 1's own work is ~100 ms longer; rank 0 spends that time waiting in the all-reduce."""
+    summary, _ = straggler
+    fast, slow = summary["ranks"]
+    assert summary["verdict"] == "straggler" and summary["findings"][0]["fix"].startswith("rank 1 is a straggler")
+    assert slow["work_ms"] - fast["work_ms"] > 80 and fast["comm_ms"] - slow["comm_ms"] > 80
+
+
+def test_periodic_reports_cover_their_window(straggler):
+    """Every 10 batches a report of those batches (7 after the 3 warm-up ones, then 10), then the whole fit."""
+    _, out = straggler
+    heads = [line.split(" steps")[0] for line in out.splitlines() if line.startswith("Scaling doctor: ")]
+    assert heads == [f"Scaling doctor: 2 x cpu, {n}" for n in (7, 10, 17)]
+
+
+def test_doctor_can_be_switched_off(tmp_path):
+    """`--trainer.callbacks.init_args.enabled false` gives no report and no summary file."""
+    out = run_ok(
+        "fit",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.max_steps",
+        "5",
+        "--trainer.callbacks.init_args.enabled",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
+    assert "Scaling doctor" not in out and not list(tmp_path.rglob("doctor.json"))
+
+
+# ---- the sweep, a healthy run, the preflight, the overhead -------------------------------------------------
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """`scaling.py --devices 1 2` on a compute-heavy model with a large global batch."""
+    out = tmp_path_factory.mktemp("sweep")
+    cmd = [sys.executable, str(PROJECT / "scaling.py"), "--devices", "1", "2", "--max-steps", "30", "--out", str(out)]
+    cmd += ["--", "--model", "doctor_cases.Balanced", "--data", "doctor_cases.ManyDigits"]
+    cmd += ["--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]
+    # One thread per process in both runs: a lone process would otherwise get every core and, on a busy
+    # host, spin its threads against other jobs.
+    env = {**os.environ, **CASES, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def test_sweep_writes_table_json_and_plot(sweep):
+    """scaling.md/json have a row per device count with speed-up and efficiency; scaling.png is a PNG."""
+    rows = json.loads((sweep / "scaling.json").read_text())["rows"]
+    assert [r["devices"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 2, abs=1e-3)
+    assert len(rows[1]["peak_mem_mb"]) == 2 and rows[1]["samples_per_s"] > 0
+    assert (sweep / "scaling.md").read_text().count("\n") == 4  # header, rule, 2 rows
+    assert (sweep / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_healthy_run_has_no_finding(sweep):
+    """512 samples per device through a 1024-wide MLP: compute dominates and nothing is flagged."""
+    summary = json.loads(next((sweep / "devices_2").rglob("doctor.json")).read_text())
+    assert summary["findings"] == [] and summary["verdict"] == "healthy"
+    assert summary["step_ms"] > 10 and summary["comm_pct"] < 30 and summary["data_wait_pct"] < 20
+
+
+def test_numbers_reach_the_logger(sweep):
+    """TensorBoard holds the doctor's scalars, per run and per rank."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (sweep / "devices_2").rglob("events.out.tfevents.*")
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"doctor/samples_per_s", "doctor/comm_pct", "doctor/rank1/peak_mem_mb"} <= set(tags)
+
+
+def test_preflight_reports_ranks_backend_and_workers():
+    """`scaling.py --preflight --devices 2` on CPU: gloo, two ranks that all-reduce, the configured workers."""
+    cmd = [sys.executable, str(PROJECT / "scaling.py"), "--preflight", "--devices", "2"]
+    cmd += ["--", "--data.num_workers", "3"]
+    result = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "backend: gloo" in out and "dataloader workers per rank (--data.num_workers): 3" in out
+    assert "   0 | cpu |" in out and "   1 | cpu |" in out and "ok: 2 processes joined one gloo group" in out
+
+
+def test_overhead_is_small():
+    """Doctor on vs off over alternating 1-process fits: print the overhead, assert only a generous bound."""
+    cmd = [sys.executable, str(TESTS / "doctor_overhead.py"), "--reps", "3", "--steps", "60"]
+    result = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"doctor overhead: {measured}")
+    # The target is < 2% of a step. Asserted: the doctor's own per-step code stays under 10% of the
+    # smallest step this project has (the A/B figure is printed only: on a shared machine it swings ±30%).
+    assert measured["hooks_pct_of_step"] < 10
