@@ -8,13 +8,14 @@ in their own files and this one never changes.
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+
+from {{ cookiecutter.package_name }}.cli import CLI
 
 DEFAULT_CONFIG = str(Path(__file__).with_name("config.yaml"))
 
 
 def main(args: list[str] | None = None) -> None:
-    LightningCLI(
+    CLI(  # LightningCLI plus checks before anything starts, and fault handling (see cli.py)
         L.LightningModule,
         L.LightningDataModule,
         subclass_mode_model=True,
