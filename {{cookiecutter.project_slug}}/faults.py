@@ -5,7 +5,7 @@
 
 Each run starts `main.py fit` on 2 CPU processes in its own session, injects one
 fault, and measures: the exit status, the seconds from the fault to the last
-process of the job being gone, processes of the job still alive 3 s after the
+process of the job being gone, processes of the job still alive 5 s after the
 launcher exited (orphans, then killed), and whether the newest checkpoint is
 missing or unreadable where one was expected (lost). The faults come from
 `tests/faulty.py` (a test-only model) and signals sent to the launcher.
@@ -83,10 +83,12 @@ SCENARIOS = {
 @dataclass
 class Result:
     scenario: str
+    workdir: Path
     returncode: int | None  # None: still running at the deadline (hung), then killed
     seconds: float  # from the fault to the last process of the job gone
     orphans: int
     checkpoint_lost: bool
+    partial_writes: int  # temporary files a killed checkpoint write left behind
     output: str
 
 
@@ -111,14 +113,17 @@ def checkpoint_ok(path: Path) -> bool:
         return False
 
 
-def run_scenario(name: str, workdir: Path, dist_timeout: float = 20, deadline: float = 120) -> Result:
+def run_scenario(
+    name: str, workdir: Path, dist_timeout: float = 20, deadline: float = 120, max_steps: int = 60
+) -> Result:
     """Run one scenario in `workdir` (created) and measure how the job ended."""
     sc = SCENARIOS[name]
     workdir.mkdir(parents=True, exist_ok=True)
     marker = workdir / "step_reached"
     args = [sys.executable, str(PROJECT / "main.py"), "fit", "--trainer.accelerator", "cpu"]
     args += ["--trainer.devices", str(sc.devices), "--trainer.default_root_dir", str(workdir)]
-    args += ["--trainer.max_steps", "60", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false"]
+    args += ["--trainer.max_steps", str(max_steps), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.logger", "false"]
     args += ["--dist_timeout", str(dist_timeout), "--model", "faulty.FaultyClassifier", "--model.marker", str(marker)]
     args += list(sc.model)
     if sc.every_step:
@@ -146,15 +151,16 @@ def run_scenario(name: str, workdir: Path, dist_timeout: float = 20, deadline: f
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     exited = time.monotonic()
-    while session_pids(proc.pid) and time.monotonic() - exited < 3:  # ranks watch their launcher every 1 s
+    while session_pids(proc.pid) and time.monotonic() - exited < 5:  # ranks watch their launcher every 1 s
         time.sleep(0.05)
     orphans = session_pids(proc.pid)
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     gone = time.monotonic()
     lost = sc.checkpoint and not checkpoint_ok(workdir / "checkpoints" / "last.ckpt")
+    partial = len(list((workdir / "checkpoints").glob(".*.tmp")))
     log.seek(0)
-    return Result(name, returncode, gone - (fault_time or start), len(orphans), lost, log.read())
+    return Result(name, workdir, returncode, gone - (fault_time or start), len(orphans), lost, partial, log.read())
 
 
 def main() -> None:
@@ -176,7 +182,8 @@ def main() -> None:
             print(
                 f"{name:<11} {len(results):>4} {nonzero:>14} {max(r.seconds for r in results):>13.1f} "
                 f"{sum(r.orphans for r in results):>12} {lost!s:>10}  {SCENARIOS[name].doc}"
-                + (f" ({hung} hung past the deadline)" if hung else ""),
+                + (f" ({hung} hung past the deadline)" if hung else "")
+                + (f" ({sum(r.partial_writes > 0 for r in results)} mid-write)" if SCENARIOS[name].every_step else ""),
                 flush=True,
             )
 

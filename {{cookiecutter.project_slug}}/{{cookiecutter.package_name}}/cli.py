@@ -22,9 +22,11 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
 from .resilience import (
+    LAUNCHER_PID,
     AtomicCheckpointIO,
     GracefulStop,
     StopRequested,
+    TimedDDPStrategy,
     failed_children,
     rank_label,
     register_children,
@@ -41,12 +43,22 @@ class BadInput(Exception):
     """A configuration that cannot work; the message says what to change."""
 
 
+class ArgumentParser(LightningArgumentParser):
+    """Reports a bad argument without first printing the usage of every option (hundreds of lines)."""
+
+    def print_usage(self, file: Any = None) -> None:  # argparse calls it only on errors
+        pass
+
+
 class CLI(LightningCLI):
     """`LightningCLI` plus checks before anything starts, a collective timeout, graceful stop, atomic checkpoints."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank started by a launcher: die with it
             watch_parent()
+        else:
+            os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks Lightning starts
+        kwargs.setdefault("parser_class", ArgumentParser)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -91,7 +103,7 @@ class CLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         timeout = timedelta(seconds=self._get(self.config, "dist_timeout"))
         if config.get("strategy") == "ddp":  # the registry's "ddp" is DDPStrategy() with a 30-minute timeout
-            config["strategy"] = DDPStrategy(timeout=timeout)
+            config["strategy"] = TimedDDPStrategy(timeout=timeout)
         elif isinstance(config.get("strategy"), DDPStrategy) and config["strategy"]._timeout is None:
             config["strategy"]._timeout = timeout
         plugins = config.get("plugins") or []
@@ -114,12 +126,12 @@ class CLI(LightningCLI):
             sys.stderr.write(
                 f"rank {rank_label()}: {stop}. Resume with: --ckpt_path {stop.path}\n" if rank_label() == "0" else ""
             )
-            sys.exit(128 + stop.signum)
+            exit_now(128 + stop.signum)
         except BaseException as error:
             if isinstance(error, SystemExit) and not error.code:
                 raise
             traceback.print_exc()
-            failed = failed_children()  # a rank that died first explains this rank's failure
+            failed = failed_children(wait=2.0)  # a rank that died first explains this rank's failure
             stuck = stop_children()
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             if failed:
@@ -129,7 +141,14 @@ class CLI(LightningCLI):
             if stuck:
                 message += f"; killed ranks {stuck}, still running (hung?)"
             sys.stderr.write(f"error: {message}\n")
-            sys.exit(1)
+            exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """Exit without interpreter shutdown, which can block in a broken process group's destructor."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def check_config(config: Any) -> None:

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+# The launcher's pid, inherited by the ranks it starts: they exit when it is gone.
+LAUNCHER_PID = "DDP_LAUNCHER_PID"
 
 
 def rank_label() -> str:
@@ -94,6 +99,30 @@ class GracefulStop(Callback):
         path = str(Path(checkpoint_dir(trainer)) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt")
         trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
         raise StopRequested(signum, trainer.global_step, path)
+
+
+class TimedDDPStrategy(DDPStrategy):
+    """DDP whose collectives fail after `timeout`, while starting ranks get `startup_timeout` to meet.
+
+    One timeout for both would make a short hang-detection timeout fail slow
+    start-ups (imports on a busy machine, many nodes), or a long one hide hangs.
+    """
+
+    def __init__(self, *args: Any, startup_timeout: timedelta = timedelta(minutes=10), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.startup_timeout = startup_timeout
+
+    def setup_distributed(self) -> None:
+        timeout = self._timeout
+        set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)  # private in torch 2.x
+        if timeout is None or set_timeout is None:
+            return super().setup_distributed()
+        self._timeout = max(timeout, self.startup_timeout)
+        try:
+            super().setup_distributed()
+        finally:
+            self._timeout = timeout
+        set_timeout(timeout)
 
 
 def checkpoint_dir(trainer: L.Trainer) -> str:
@@ -172,9 +201,18 @@ def stop_children() -> list[int]:
     return alive
 
 
-def failed_children() -> list[tuple[int, int]]:
-    """(rank, exit code) of every launched rank that has exited with an error."""
-    return [(child_rank(i), proc.returncode) for i, proc in enumerate(_children) if proc.poll()]
+def failed_children(wait: float = 0.0) -> list[tuple[int, int]]:
+    """(rank, exit code) of every launched rank that exited with an error, waiting up to `wait` s for one.
+
+    A rank that crashes closes its sockets a moment before its exit status is
+    visible: the wait lets the launcher blame the rank that died, not itself.
+    """
+    deadline = time.monotonic() + (wait if _children else 0.0)
+    while True:
+        failed = [(child_rank(i), proc.returncode) for i, proc in enumerate(_children) if proc.poll()]
+        if failed or time.monotonic() >= deadline:
+            return failed
+        time.sleep(0.05)
 
 
 def watch_children(period: float = 0.5) -> None:
@@ -203,7 +241,7 @@ def watch_parent(period: float = 1.0) -> None:
     Without this, a rank blocked in a collective stays until the process-group
     timeout, or forever when it is stuck elsewhere.
     """
-    parent = os.getppid()
+    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())  # the env var also covers a launcher already gone
 
     def watch() -> None:
         while True:
