@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from .resilience import (
     LAUNCHER_PID,
@@ -29,7 +29,7 @@ from .resilience import (
     TimedDDPStrategy,
     failed_children,
     rank_label,
-    register_children,
+    register_launcher,
     stop_children,
     watch_children,
     watch_parent,
@@ -118,7 +118,7 @@ class CLI(LightningCLI):
         launcher = self.trainer.strategy.launcher
         try:
             if isinstance(launcher, _SubprocessScriptLauncher):
-                register_children(launcher.procs)  # filled in when the launcher starts the ranks
+                register_launcher(launcher)
                 watch_children()
             super()._run_subcommand(subcommand)
         except StopRequested as stop:

@@ -176,27 +176,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 # --- no orphans -------------------------------------------------------------------------------------
 
-_children: list[Any] = []  # the launcher's child processes (rank 0 of a node started them)
+_launcher: Any = None  # Lightning's launcher in this process, if it starts the other ranks of the node
 _stopping = threading.Event()  # set once the ranks agreed on a graceful stop: their exits are expected
+
+
+def children() -> list[Any]:
+    """The rank processes the launcher started (it rebuilds its list when it starts them)."""
+    return list(getattr(_launcher, "procs", []))
 
 
 def child_rank(index: int) -> int:
     """Global rank of the launcher's child `index` (0-based; the launcher itself is local rank 0)."""
-    return int(os.environ.get("NODE_RANK", 0)) * (len(_children) + 1) + index + 1
+    return int(os.environ.get("NODE_RANK", 0)) * (len(children()) + 1) + index + 1
 
 
-def register_children(procs: list[Any]) -> None:
-    """Remember the rank processes this process launched, to kill them if it fails."""
-    _children[:] = procs
+def register_launcher(launcher: Any) -> None:
+    """Remember the launcher, to name and kill the ranks it started when something fails."""
+    global _launcher
+    _launcher = launcher
 
 
 def stop_children() -> list[int]:
     """SIGKILL every launched rank still running (they may be stuck in a collective); return their local ranks."""
-    alive = [child_rank(i) for i, proc in enumerate(_children) if proc.poll() is None]
-    for proc in _children:
+    procs = children()
+    alive = [child_rank(i) for i, proc in enumerate(procs) if proc.poll() is None]
+    for proc in procs:
         if proc.poll() is None:
             proc.kill()
-    for proc in _children:
+    for proc in procs:
         proc.wait()
     return alive
 
@@ -207,9 +214,9 @@ def failed_children(wait: float = 0.0) -> list[tuple[int, int]]:
     A rank that crashes closes its sockets a moment before its exit status is
     visible: the wait lets the launcher blame the rank that died, not itself.
     """
-    deadline = time.monotonic() + (wait if _children else 0.0)
+    deadline = time.monotonic() + (wait if children() else 0.0)
     while True:
-        failed = [(child_rank(i), proc.returncode) for i, proc in enumerate(_children) if proc.poll()]
+        failed = [(child_rank(i), proc.returncode) for i, proc in enumerate(children()) if proc.poll()]
         if failed or time.monotonic() >= deadline:
             return failed
         time.sleep(0.05)
