@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import run_main
 
+from {{ cookiecutter.package_name }}.cli import check_checkpoint
 from {{ cookiecutter.package_name }}.module import DigitsClassifier
 
 # Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
@@ -79,3 +80,13 @@ def test_bad_input_fails_fast_with_one_line(outcomes, name):
     assert len(errors) == 1 and CASES[name][1] in errors[0], result.stdout[-3000:]
     assert not spawned and written == []
     assert "code from the checkpoint ran" not in result.stdout
+
+
+def test_checkpoint_arguments_that_replace_given_ones_are_warned(tmp_path, capsys):
+    """--ckpt_path saved with hidden_dim=32 while 64 is configured: one warning line names both values."""
+    hparams = {"_class_path": "m.Model", "hidden_dim": 32, "lr": 0.1}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams}, tmp_path / "a.ckpt")
+    check_checkpoint(str(tmp_path / "a.ckpt"), {"class_path": "m.Model", "init_args": {"hidden_dim": 64, "lr": 0.1}})
+    assert capsys.readouterr().err == (
+        "warning: --ckpt_path restores the model arguments saved in the checkpoint: hidden_dim=32 (configured 64)\n"
+    )
