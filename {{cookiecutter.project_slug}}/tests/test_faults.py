@@ -72,17 +72,12 @@ def test_resume_after_sigterm_matches_uninterrupted(results, tmp_path):
     common += ["--trainer.max_steps", str(STEPS)]
     common += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
     stopped = results["sigterm"].workdir / "checkpoints/last.ckpt"
-    run_ok(
-        *common,
-        "--ckpt_path",
-        str(stopped),
-        "--trainer.default_root_dir",
-        str(tmp_path / "resumed"),
-        cwd=tmp_path,
-        env=env,
-        timeout=240,
-    )
-    run_ok(*common, "--trainer.default_root_dir", str(tmp_path / "straight"), cwd=tmp_path, env=env, timeout=240)
+    runs = [
+        [*common, "--ckpt_path", str(stopped), "--trainer.default_root_dir", str(tmp_path / "resumed")],
+        [*common, "--trainer.default_root_dir", str(tmp_path / "straight")],
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda args: run_ok(*args, cwd=tmp_path, env=env, timeout=240), runs))
     a, b = (torch.load(tmp_path / d / "checkpoints/last.ckpt", weights_only=True) for d in ("resumed", "straight"))
     assert a["global_step"] == b["global_step"] == STEPS
     diff = torch.cat([(a["state_dict"][k] - b["state_dict"][k]).flatten() for k in b["state_dict"]])

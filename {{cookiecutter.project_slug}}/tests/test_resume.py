@@ -1,5 +1,7 @@
 """Exact resume: stopped mid-epoch and resumed, on the same or another device count, a run ends as if never stopped."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from helpers import run_ok
@@ -46,11 +48,14 @@ def max_diff(a: dict, b: dict) -> float:
 def runs(tmp_path_factory):
     """Uninterrupted 1- and 2-device runs, and each resumed from the other's mid-epoch checkpoint."""
     base = tmp_path_factory.mktemp("resume")
-    fit(base / "one", 1)
-    fit(base / "two", 2)
-    # 2 -> 1 from step 12 (mid epoch 0, crossing into epoch 1); 1 -> 2 from step 20 (mid epoch 1).
-    fit(base / "two_to_one", 1, "--ckpt_path", str(base / "two/ckpts/step12.ckpt"))
-    fit(base / "one_to_two", 2, "--ckpt_path", str(base / "one/ckpts/step20.ckpt"))
+    with ThreadPoolExecutor(2) as pool:  # two at a time: most of a small run is start-up
+        list(pool.map(lambda job: fit(*job), [(base / "one", 1), (base / "two", 2)]))
+        # 2 -> 1 from step 12 (mid epoch 0, crossing into epoch 1); 1 -> 2 from step 20 (mid epoch 1).
+        resumes = [
+            (base / "two_to_one", 1, "--ckpt_path", str(base / "two/ckpts/step12.ckpt")),
+            (base / "one_to_two", 2, "--ckpt_path", str(base / "one/ckpts/step20.ckpt")),
+        ]
+        list(pool.map(lambda job: fit(*job), resumes))
     return base
 
 
