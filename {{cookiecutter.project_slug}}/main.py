@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+
+from {{ cookiecutter.package_name }}.cli import CLI
 
 DEFAULT_CONFIG = str(Path(__file__).with_name("config.yaml"))
 # Lightning's progress bar when `rich` is not installed (TQDM) redraws after every step: ~0.4 ms
@@ -19,7 +20,7 @@ os.environ.setdefault("TQDM_MINITERS", "10")
 
 
 def main(args: list[str] | None = None) -> None:
-    LightningCLI(
+    CLI(  # LightningCLI plus checks before anything starts, and fault handling (see cli.py)
         L.LightningModule,
         L.LightningDataModule,
         subclass_mode_model=True,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from {{ cookiecutter.package_name }}.sampling import GlobalBatchSampler, eval_sampler
+from {{ cookiecutter.package_name }}.sampling import GlobalBatchSampler, ResumableLoader, eval_sampler
 
 DATA = TensorDataset(torch.arange(103))
 
@@ -66,3 +66,34 @@ def test_eval_sampler_sees_every_sample_once(world):
     data = TensorDataset(torch.arange(359))
     shards = [list(eval_sampler(data, world, rank)) for rank in range(world)]
     assert sorted(sum(shards, [])) == list(range(359))
+
+
+def loader(world: int, rank: int) -> ResumableLoader:
+    sampler = GlobalBatchSampler(DATA, 8, num_replicas=world, rank=rank, seed=7)
+    return ResumableLoader(DATA, batch_size=8 // world, sampler=sampler)
+
+
+def test_resumable_loader_continues_on_another_world_size():
+    """Stopped after 5 global batches on 1 device, 2 restored ranks yield exactly global batches 5..11."""
+    one = loader(1, 0)
+    one.sampler.set_epoch(3)
+    batches = iter(one)
+    for _ in range(5):
+        next(batches)
+    state = one.state_dict()
+    assert state == {"epoch": 3, "global_batches_done": 5}
+    rest = []
+    for rank in range(2):
+        restored = loader(2, rank)
+        restored.load_state_dict(state)
+        restored.sampler.set_epoch(3)  # what Lightning does after restoring
+        rest.append([b[0].tolist() for b in restored])
+    assert [a + b for a, b in zip(*rest, strict=True)] == [b[0].tolist() for b in batches]
+    assert restored.state_dict() == {"epoch": 3, "global_batches_done": 12}
+
+
+def test_completed_epoch_resumes_at_the_next_one():
+    """A position at the end of an epoch restores to the start of the next epoch, nothing skipped."""
+    restored = loader(1, 0)
+    restored.load_state_dict({"epoch": 3, "global_batches_done": 12})
+    assert restored.sampler.epoch == 4 and len(list(restored)) == 12

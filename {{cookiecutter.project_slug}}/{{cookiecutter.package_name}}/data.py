@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
-from .sampling import GlobalBatchSampler, eval_sampler
+from .sampling import GlobalBatchSampler, ResumableLoader, eval_sampler
 
 # 1,797 8x8 images of handwritten digits, pixels 0..16, one row = 64 pixels + label.
 # UCI "Optical Recognition of Handwritten Digits" (Alpaydin & Kaynak, 1998), CC BY 4.0.
@@ -80,9 +80,9 @@ class DigitsDataModule(L.LightningDataModule):
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
         )
 
-    def _loader(self, dataset, sampler, batch_size: int) -> DataLoader:
+    def _loader(self, dataset, sampler, batch_size: int, loader_class: type[DataLoader] = DataLoader) -> DataLoader:
         workers = self.num_workers
-        return DataLoader(
+        return loader_class(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
@@ -93,7 +93,8 @@ class DigitsDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = self.train_sampler()
-        return self._loader(self.train_set, sampler, sampler.batch_size)
+        # Resumable: a mid-epoch checkpoint continues with the samples not yet seen in that epoch.
+        return self._loader(self.train_set, sampler, sampler.batch_size, ResumableLoader)
 
     def _eval_loader(self, dataset) -> DataLoader:
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)

@@ -13,11 +13,19 @@ padding, so a metric reduced over ranks counts each sample once.
 
 Both are `DistributedSampler`s, which tells Lightning to keep them instead of
 injecting its own, and still to call `set_epoch` at every epoch.
+
+Resuming: `ResumableLoader` tells Lightning (through `state_dict`) how many global
+batches of the epoch were trained; on a mid-epoch restore the sampler skips
+exactly those, so the rest of the epoch sees the samples not yet seen, on any
+world size.
 """
+
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -51,6 +59,18 @@ class GlobalBatchSampler(DistributedSampler):
             raise ValueError(
                 f"global_batch_size={global_batch_size} is larger than the dataset ({len(dataset)} samples): lower it."  # type: ignore[arg-type]
             )
+        self._resume: tuple[int, int] | None = None  # (epoch, global batches to skip), used once
+        self.start_batch = 0  # the global batch the current iteration started at
+
+    def resume(self, epoch: int, global_batches_done: int) -> None:
+        """Make the next iteration of `epoch` skip its first `global_batches_done` global batches.
+
+        A count that completes the epoch resumes at the start of the next one.
+        """
+        if global_batches_done >= self.num_global_batches:
+            epoch, global_batches_done = epoch + 1, 0
+        self.set_epoch(epoch)
+        self._resume = (epoch, global_batches_done)
 
     def global_order(self) -> torch.Tensor:
         """The epoch's sample indices, shaped (num_global_batches, global_batch_size)."""
@@ -62,13 +82,48 @@ class GlobalBatchSampler(DistributedSampler):
             order = torch.arange(n)
         return order[: self.num_global_batches * self.global_batch_size].view(self.num_global_batches, -1)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
+        # Skip only in the epoch that was interrupted (Lightning calls set_epoch after the restore).
+        resume, self._resume = self._resume, None
+        self.start_batch = resume[1] if resume and resume[0] == self.epoch else 0
         start = self.rank * self.batch_size
-        mine = self.global_order()[:, start : start + self.batch_size]  # (steps, per-device batch)
+        mine = self.global_order()[self.start_batch :, start : start + self.batch_size]  # (steps, per-device batch)
         return iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
         return self.num_global_batches * self.batch_size
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over a `GlobalBatchSampler` whose position Lightning saves and restores.
+
+    Lightning stores `state_dict()` in every checkpoint (it treats loaders with
+    `state_dict`/`load_state_dict` as resumable) and calls `load_state_dict` when
+    it resumes, before iterating. The position counts batches handed to the
+    training loop, not batches the sampler or workers prepared ahead.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, GlobalBatchSampler):
+            raise TypeError("ResumableLoader needs a GlobalBatchSampler as its sampler.")
+        self._position = (0, 0)  # (epoch, global batches of that epoch handed out)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.sampler
+        done = None
+        for batch in super().__iter__():
+            if done is None:  # the sampler has started now, so start_batch includes a restored skip
+                done = sampler.start_batch
+            done += 1
+            self._position = (sampler.epoch, done)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._position[0], "global_batches_done": self._position[1]}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.sampler.resume(state_dict["epoch"], state_dict["global_batches_done"])
 
 
 def eval_sampler(dataset: Dataset, num_replicas: int, rank: int) -> DistributedSampler:

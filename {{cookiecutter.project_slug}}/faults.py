@@ -1,0 +1,192 @@
+"""Inject faults into real 2-process CPU runs and report how the job ends.
+
+    python faults.py                 # every scenario once
+    python faults.py --runs 5 raise hang sigterm
+
+Each run starts `main.py fit` on 2 CPU processes in its own session, injects one
+fault, and measures: the exit status, the seconds from the fault to the last
+process of the job being gone, processes of the job still alive 5 s after the
+launcher exited (orphans, then killed), and whether the newest checkpoint is
+missing or unreadable where one was expected (lost). The faults come from
+`tests/faulty.py` (a test-only model) and signals sent to the launcher.
+"""
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROJECT = Path(__file__).resolve().parent
+
+# Saves last.ckpt after every step; with a 64 MB ballast buffer, most of a run is spent writing.
+EVERY_STEP = """
+trainer:
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: DIRPATH
+        every_n_train_steps: 1
+        save_top_k: 1
+        monitor: null
+        save_last: true
+"""
+
+
+@dataclass
+class Scenario:
+    """One way a job can go wrong."""
+
+    doc: str
+    model: tuple[str, ...] = ()  # --model.* overrides of faulty.FaultyClassifier
+    signal: int | None = None  # sent once the marker file exists
+    to_group: bool = False  # to the whole process group (Ctrl-C), else to the launcher only
+    devices: int = 2
+    checkpoint: bool = False  # a readable last.ckpt must exist afterwards
+    every_step: bool = False  # checkpoint after every step (kill-during-write scenario)
+
+
+SCENARIOS = {
+    "raise": Scenario("rank 1 raises at step 3", ("--model.fault", "raise")),
+    "exit": Scenario("rank 1 calls os._exit(3) at step 3", ("--model.fault", "exit")),
+    "hang": Scenario("rank 1 sleeps forever at step 3 (rank 0 waits in the all-reduce)", ("--model.fault", "hang")),
+    "hang0": Scenario("rank 0 sleeps forever at step 3", ("--model.fault", "hang", "--model.fault_rank", "0")),
+    "sigterm": Scenario(
+        "SIGTERM to the launcher mid-training", ("--model.step_sleep", "0.05"), signal.SIGTERM, checkpoint=True
+    ),
+    "sigint": Scenario(
+        "Ctrl-C (SIGINT to the process group)",
+        ("--model.step_sleep", "0.05"),
+        signal.SIGINT,
+        to_group=True,
+        checkpoint=True,
+    ),
+    "kill9": Scenario("kill -9 of the launcher mid-training", ("--model.step_sleep", "0.05"), signal.SIGKILL),
+    "kill9-save": Scenario(
+        "kill -9 at a random moment while checkpoints are written every step",
+        ("--model.ballast_mb", "64", "--model.fault_step", "1"),
+        signal.SIGKILL,
+        devices=1,
+        checkpoint=True,
+        every_step=True,
+    ),
+}
+
+
+@dataclass
+class Result:
+    scenario: str
+    workdir: Path
+    returncode: int | None  # None: still running at the deadline (hung), then killed
+    seconds: float  # from the fault to the last process of the job gone
+    orphans: int
+    checkpoint_lost: bool
+    partial_writes: int  # temporary files a killed checkpoint write left behind
+    output: str
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes still alive in session `sid` (the job was started as its leader)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid and "Z" not in (entry / "stat").read_text().split(")")[1][:3]:
+                    pids.append(int(entry.name))
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                pass
+    return pids
+
+
+def checkpoint_ok(path: Path) -> bool:
+    """The file loads as plain weights and holds a training step."""
+    try:
+        return "state_dict" in torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+
+
+def run_scenario(
+    name: str, workdir: Path, dist_timeout: float = 20, deadline: float = 120, max_steps: int = 60
+) -> Result:
+    """Run one scenario in `workdir` (created) and measure how the job ended."""
+    sc = SCENARIOS[name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker = workdir / "step_reached"
+    args = [sys.executable, str(PROJECT / "main.py"), "fit", "--trainer.accelerator", "cpu"]
+    args += ["--trainer.devices", str(sc.devices), "--trainer.default_root_dir", str(workdir)]
+    args += ["--trainer.max_steps", str(max_steps), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.logger", "false"]
+    args += ["--dist_timeout", str(dist_timeout), "--model", "faulty.FaultyClassifier", "--model.marker", str(marker)]
+    args += list(sc.model)
+    if sc.every_step:
+        (workdir / "every_step.yaml").write_text(EVERY_STEP.replace("DIRPATH", str(workdir / "checkpoints")))
+        args += ["--config", str(workdir / "every_step.yaml")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT / "tests"), str(PROJECT)]), "PYTHONUNBUFFERED": "1"}
+    log = open(workdir / "output.txt", "w+")  # a file, not a pipe: a full pipe would block the job
+    proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    start = time.monotonic()
+    fault_time = None
+    while proc.poll() is None and time.monotonic() - start < deadline:
+        if fault_time is None and marker.exists():
+            fault_time = time.monotonic()
+            if sc.signal is not None:
+                if sc.every_step:  # land at a random moment in the stream of writes
+                    time.sleep(random.uniform(0.5, 2.5))
+                if sc.to_group:
+                    os.killpg(proc.pid, sc.signal)
+                else:
+                    os.kill(proc.pid, sc.signal)
+                fault_time = time.monotonic()
+        time.sleep(0.02)
+    returncode = proc.poll()
+    if returncode is None:  # hung: end it so the next run starts clean
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    exited = time.monotonic()
+    while session_pids(proc.pid) and time.monotonic() - exited < 5:  # ranks watch their launcher every 1 s
+        time.sleep(0.05)
+    orphans = session_pids(proc.pid)
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    gone = time.monotonic()
+    lost = sc.checkpoint and not checkpoint_ok(workdir / "checkpoints" / "last.ckpt")
+    partial = len(list((workdir / "checkpoints").glob(".*.tmp")))
+    log.seek(0)
+    return Result(name, workdir, returncode, gone - (fault_time or start), len(orphans), lost, partial, log.read())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[], help="default: all")
+    parser.add_argument("--runs", type=int, default=1, help="runs per scenario")
+    parser.add_argument("--dist_timeout", type=float, default=20, help="--dist_timeout of the runs, seconds")
+    args = parser.parse_args()
+    print(
+        f"{'scenario':<11} {'runs':>4} {'exits non-zero':>14} {'max s to exit':>13} {'orphans left':>12} "
+        f"{'ckpts lost':>10}  what"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.scenarios or SCENARIOS:
+            results = [run_scenario(name, Path(tmp) / f"{name}{i}", args.dist_timeout) for i in range(args.runs)]
+            nonzero = sum(r.returncode not in (0, None) for r in results)
+            hung = sum(r.returncode is None for r in results)
+            lost = sum(r.checkpoint_lost for r in results) if SCENARIOS[name].checkpoint else "-"
+            print(
+                f"{name:<11} {len(results):>4} {nonzero:>14} {max(r.seconds for r in results):>13.1f} "
+                f"{sum(r.orphans for r in results):>12} {lost!s:>10}  {SCENARIOS[name].doc}"
+                + (f" ({hung} hung past the deadline)" if hung else "")
+                + (f" ({sum(r.partial_writes > 0 for r in results)} mid-write)" if SCENARIOS[name].every_step else ""),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

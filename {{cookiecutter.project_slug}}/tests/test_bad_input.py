@@ -1,0 +1,92 @@
+"""Bad command-line input fails at once: one `error:` line, status 2, no rank started, nothing written."""
+
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import run_main
+
+from {{ cookiecutter.package_name }}.cli import check_checkpoint
+from {{ cookiecutter.package_name }}.module import DigitsClassifier
+
+# Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
+SITECUSTOMIZE = """
+import os
+if os.environ.get("LOCAL_RANK", "0") != "0":
+    open(os.environ["SPAWN_MARKER"], "w").close()
+"""
+
+
+class Payload:
+    """Pickled into a 'checkpoint': unpickling it would run code."""
+
+    def __reduce__(self):
+        return (print, ("code from the checkpoint ran",))
+
+
+def checkpoints(directory):
+    """A foreign model's checkpoint, one whose weights do not fit, and one that runs code when unpickled."""
+    directory.mkdir()
+    weights = DigitsClassifier().state_dict()
+    torch.save({"state_dict": weights, "hyper_parameters": {"_class_path": "other.Model"}}, directory / "other.ckpt")
+    torch.save({"state_dict": DigitsClassifier(hidden_dim=8).state_dict()}, directory / "shapes.ckpt")
+    with open(directory / "evil.ckpt", "wb") as f:
+        pickle.dump({"state_dict": weights, "payload": Payload()}, f)
+    return directory
+
+
+CASES = {
+    "unknown flag": (["--trainer.devicez", "2"], "unrecognized arguments: --trainer.devicez"),
+    "no GPU": (["--trainer.accelerator", "gpu"], "--trainer.devices asks for 2 GPUs but no CUDA GPU is visible"),
+    "indivisible batch": (["--data.global_batch_size", "63"], "global_batch_size=63 does not divide evenly over 2"),
+    "missing data": (["--data.data_path", "nope.csv"], "--data.data_path nope.csv does not exist"),
+    "missing checkpoint": (["--ckpt_path", "nope.ckpt"], "--ckpt_path nope.ckpt does not exist"),
+    "other model": (["--ckpt_path", "CKPTS/other.ckpt"], "was saved by model other.Model, but the model is"),
+    "other shapes": (["--ckpt_path", "CKPTS/shapes.ckpt"], "holds weights of a different model (0 missing, 0 unexp"),
+    "code in checkpoint": (["--ckpt_path", "CKPTS/evil.ckpt"], "is not a checkpoint that loads as plain weights"),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Each bad command on 2 CPU processes, run three at a time, each in an empty directory."""
+    base = tmp_path_factory.mktemp("bad")
+    ckpts = checkpoints(base / "ckpts")
+    (base / "site").mkdir()
+    (base / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+
+    def run(name):
+        cwd = base / name.replace(" ", "_")
+        cwd.mkdir()
+        args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
+        marker = base / f"{cwd.name}.spawned"
+        env = {"PYTHONPATH": str(base / "site"), "SPAWN_MARKER": str(marker)}
+        result = run_main(
+            "fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
+        )
+        return name, (result, marker.exists(), sorted(p.name for p in cwd.iterdir()))
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(pool.map(run, CASES))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_fails_fast_with_one_line(outcomes, name):
+    """Status 2 and an `error:` line naming the problem; no rank 1 process started; no file written."""
+    result, spawned, written = outcomes[name]
+    errors = [line for line in result.stdout.splitlines() if "error:" in line]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert len(errors) == 1 and CASES[name][1] in errors[0], result.stdout[-3000:]
+    assert not spawned and written == []
+    assert "code from the checkpoint ran" not in result.stdout
+
+
+def test_checkpoint_arguments_that_replace_given_ones_are_warned(tmp_path, capsys):
+    """--ckpt_path saved with hidden_dim=32 while 64 is configured: one warning line names both values."""
+    hparams = {"_class_path": "m.Model", "hidden_dim": 32, "lr": 0.1}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams}, tmp_path / "a.ckpt")
+    check_checkpoint(str(tmp_path / "a.ckpt"), {"class_path": "m.Model", "init_args": {"hidden_dim": 64, "lr": 0.1}})
+    assert capsys.readouterr().err == (
+        "warning: --ckpt_path restores the model arguments saved in the checkpoint: hidden_dim=32 (configured 64)\n"
+    )

@@ -1,0 +1,84 @@
+"""Faults in a 2-process job: it ends non-zero, names the rank, leaves no process behind, and keeps its checkpoints.
+
+The scenarios are the ones `faults.py` runs (a test-only model from tests/faulty.py
+injects them); the process-group timeout is 20 s here instead of 300 s.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import PROJECT, run_ok
+
+from faults import checkpoint_ok, run_scenario
+
+TIMEOUT = 20  # --dist_timeout of the runs
+BOUND = TIMEOUT + 40  # generous: start-up of a rank on a loaded 2-core machine takes seconds
+SCENARIOS = ["raise", "exit", "hang", "sigterm", "sigint", "kill9"]
+STEPS = 48  # 3 epochs: the uninterrupted run ends on an epoch end, where last.ckpt is written
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each scenario once, two at a time (most of a hang is waiting), plus kill -9 during writes 3 times."""
+    base = tmp_path_factory.mktemp("faults")
+    jobs = [(name, base / name) for name in SCENARIOS] + [("kill9-save", base / f"save{i}") for i in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda job: run_scenario(*job, dist_timeout=TIMEOUT, max_steps=STEPS), jobs))
+    return {result.workdir.name: result for result in done}  # keyed by scenario, save0..save2
+
+
+@pytest.mark.parametrize("name", ["raise", "exit", "hang", "sigterm", "sigint", "kill9"])
+def test_job_ends_nonzero_in_bounded_time_without_orphans(results, name):
+    """Every fault ends the whole job with a non-zero status, within the timeout plus start-up, no process left."""
+    result = results[name]
+    assert result.returncode not in (0, None), result.output[-3000:]
+    assert result.seconds < BOUND and result.orphans == 0, result.output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("raise", "error: rank 1 failed: RuntimeError: injected fault on rank 1"),
+        ("exit", "error: rank 1 exited with code 3"),
+        ("hang", "killed ranks [1], still running (hung?)"),
+    ],
+)
+def test_failure_message_names_the_rank(results, name, message):
+    """The last words of a failed job say which rank failed, or which one hung."""
+    assert message in results[name].output, results[name].output[-3000:]
+
+
+@pytest.mark.parametrize(("name", "code"), [("sigterm", 143), ("sigint", 130)])
+def test_signal_saves_a_checkpoint_and_says_how_to_resume(results, name, code):
+    """SIGTERM to the launcher or Ctrl-C: exit 128+signal after saving a loadable last.ckpt mid-training."""
+    result = results[name]
+    assert result.returncode == code, result.output[-3000:]
+    assert not result.checkpoint_lost and "Resume with: --ckpt_path" in result.output
+    step = torch.load(result.workdir / "checkpoints/last.ckpt", weights_only=True)["global_step"]
+    assert 3 <= step < STEPS
+
+
+def test_kill_during_checkpoint_writes_keeps_last_loadable(results):
+    """kill -9 at random moments while 64 MB checkpoints are written every step: last.ckpt always loads."""
+    saves = [results[f"save{i}"] for i in range(3)]
+    assert all(checkpoint_ok(r.workdir / "checkpoints/last.ckpt") for r in saves), [r.output[-2000:] for r in saves]
+
+
+def test_resume_after_sigterm_matches_uninterrupted(results, tmp_path):
+    """Stopped by SIGTERM mid-epoch and resumed, a run ends with the weights of one never stopped."""
+    env = {"PYTHONPATH": str(PROJECT / "tests")}
+    common = ["fit", "--model", "faulty.FaultyClassifier", "--trainer.accelerator", "cpu", "--trainer.devices", "2"]
+    common += ["--trainer.max_steps", str(STEPS)]
+    common += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+    stopped = results["sigterm"].workdir / "checkpoints/last.ckpt"
+    runs = [
+        [*common, "--ckpt_path", str(stopped), "--trainer.default_root_dir", str(tmp_path / "resumed")],
+        [*common, "--trainer.default_root_dir", str(tmp_path / "straight")],
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda args: run_ok(*args, cwd=tmp_path, env=env, timeout=240), runs))
+    a, b = (torch.load(tmp_path / d / "checkpoints/last.ckpt", weights_only=True) for d in ("resumed", "straight"))
+    assert a["global_step"] == b["global_step"] == STEPS
+    diff = torch.cat([(a["state_dict"][k] - b["state_dict"][k]).flatten() for k in b["state_dict"]])
+    assert diff.abs().max().item() < 1e-6

@@ -1,0 +1,72 @@
+"""Exact resume: stopped mid-epoch and resumed, on the same or another device count, a run ends as if never stopped."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import run_ok
+
+STEPS = 24  # 1.5 epochs of 16 steps
+CONFIG = """
+trainer:
+  precision: 64-true
+  max_steps: STEPS
+  logger: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: DIRPATH
+        filename: "step{step}"
+        every_n_train_steps: 4
+        save_top_k: -1
+        monitor: null  # this list entry is merged into config.yaml's ModelCheckpoint: undo its settings
+        save_last: false
+        auto_insert_metric_name: false
+"""
+
+
+def fit(root, devices: int, *extra: str) -> None:
+    """A float64 fit on CPU that saves a checkpoint every 4 steps into root/ckpts."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "steps.yaml"
+    config.write_text(CONFIG.replace("STEPS", str(STEPS)).replace("DIRPATH", str(root / "ckpts")))
+    args = ["fit", "--config", str(config), "--trainer.accelerator", "cpu", "--trainer.devices", str(devices)]
+    run_ok(*args, "--trainer.default_root_dir", str(root), *extra, cwd=root, timeout=240)
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Uninterrupted 1- and 2-device runs, and each resumed from the other's mid-epoch checkpoint."""
+    base = tmp_path_factory.mktemp("resume")
+    with ThreadPoolExecutor(2) as pool:  # two at a time: most of a small run is start-up
+        list(pool.map(lambda job: fit(*job), [(base / "one", 1), (base / "two", 2)]))
+        # 2 -> 1 from step 12 (mid epoch 0, crossing into epoch 1); 1 -> 2 from step 20 (mid epoch 1).
+        resumes = [
+            (base / "two_to_one", 1, "--ckpt_path", str(base / "two/ckpts/step12.ckpt")),
+            (base / "one_to_two", 2, "--ckpt_path", str(base / "one/ckpts/step20.ckpt")),
+        ]
+        list(pool.map(lambda job: fit(*job), resumes))
+    return base
+
+
+def test_mid_epoch_checkpoint_records_loader_position(runs):
+    """The step-12 checkpoint holds the train loader's position: epoch 0, 12 global batches done."""
+    ckpt = torch.load(runs / "two/ckpts/step12.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "global_batches_done": 12}]
+
+
+@pytest.mark.parametrize(("resumed", "uninterrupted"), [("two_to_one", "two"), ("one_to_two", "one")])
+def test_resumed_run_matches_uninterrupted(runs, resumed, uninterrupted):
+    """Resuming mid-epoch on another device count reaches the uninterrupted weights (float64, 1e-12)."""
+    final = f"ckpts/step{STEPS}.ckpt"
+    assert max_diff(weights(runs / resumed / final), weights(runs / uninterrupted / final)) < 1e-12

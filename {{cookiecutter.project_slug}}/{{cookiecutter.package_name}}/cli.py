@@ -1,0 +1,241 @@
+"""LightningCLI with fail-fast checks and fault handling, used by `main.py`.
+
+Everything that can be checked from the configuration is checked right after
+parsing: before any model is built, any rank process is started or any file is
+written. A failure prints one `error:` line that says what to change and exits
+with status 2, like an unknown flag does.
+"""
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from .resilience import (
+    LAUNCHER_PID,
+    AtomicCheckpointIO,
+    GracefulStop,
+    StopRequested,
+    TimedDDPStrategy,
+    failed_children,
+    rank_label,
+    register_launcher,
+    stop_children,
+    watch_children,
+    watch_parent,
+)
+
+# `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file.
+SPECIAL_CKPT_PATHS = {"last", "best", "hpc"}
+
+
+class BadInput(Exception):
+    """A configuration that cannot work; the message says what to change."""
+
+
+class ArgumentParser(LightningArgumentParser):
+    """Reports a bad argument without first printing the usage of every option (hundreds of lines)."""
+
+    def print_usage(self, file: Any = None) -> None:  # argparse calls it only on errors
+        pass
+
+
+class CLI(LightningCLI):
+    """`LightningCLI` plus checks before anything starts, a collective timeout, graceful stop, atomic checkpoints."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank started by a launcher: die with it
+            watch_parent()
+        else:
+            os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks Lightning starts
+        kwargs.setdefault("parser_class", ArgumentParser)
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--dist_timeout",
+            type=float,
+            default=300.0,
+            help="Seconds a rank waits in a collective (all-reduce, barrier) before the job fails, for "
+            "strategy 'ddp'. Bounds how long a hung or dead rank can stall the others; raise it when one "
+            "rank legitimately works alone for longer (a big checkpoint on a slow disk, a first compile).",
+        )
+
+    # --- checks before anything starts ---------------------------------------------------------------
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is None:
+            return
+        try:
+            check_config(self.config[subcommand])
+        except BadInput as error:
+            sys.stderr.write(f"error: {error}\n")
+            sys.exit(2)
+
+    def after_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).is_file():
+            try:
+                check_state_dict_fits(self.model, ckpt_path)
+            except BadInput as error:
+                sys.stderr.write(f"error: {error}\n")
+                sys.exit(2)
+        if self.trainer.precision == "64-true":
+            # Lightning loads checkpoint weights before the precision plugin converts the model, which
+            # would round float64 weights to float32 on resume. Converting first keeps them exact.
+            self.model.double()
+
+    # --- strategy timeout, graceful stop, atomic checkpoints ------------------------------------------
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        timeout = timedelta(seconds=self._get(self.config, "dist_timeout"))
+        if config.get("strategy") == "ddp":  # the registry's "ddp" is DDPStrategy() with a 30-minute timeout
+            config["strategy"] = TimedDDPStrategy(timeout=timeout)
+        elif isinstance(config.get("strategy"), DDPStrategy) and config["strategy"]._timeout is None:
+            config["strategy"]._timeout = timeout
+        plugins = config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            config["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super()._instantiate_trainer(config, [*callbacks, GracefulStop()])
+
+    # --- failures end the whole job, with the rank named ---------------------------------------------
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        launcher = self.trainer.strategy.launcher
+        try:
+            if isinstance(launcher, _SubprocessScriptLauncher):
+                register_launcher(launcher)
+                watch_children()
+            super()._run_subcommand(subcommand)
+        except StopRequested as stop:
+            stop_children()
+            sys.stderr.write(
+                f"rank {rank_label()}: {stop}. Resume with: --ckpt_path {stop.path}\n" if rank_label() == "0" else ""
+            )
+            exit_now(128 + stop.signum)
+        except BaseException as error:
+            if isinstance(error, SystemExit) and not error.code:
+                raise
+            traceback.print_exc()
+            failed = failed_children(wait=2.0)  # a rank that died first explains this rank's failure
+            stuck = stop_children()
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            if failed:
+                message = f"rank {failed[0][0]} exited with code {failed[0][1]} (then rank {rank_label()}: {reason})"
+            else:
+                message = f"rank {rank_label()} failed: {reason}"
+            if stuck:
+                message += f"; killed ranks {stuck}, still running (hung?)"
+            sys.stderr.write(f"error: {message}\n")
+            exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """Exit without interpreter shutdown, which can block in a broken process group's destructor."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def check_config(config: Any) -> None:
+    """Refuse configurations that would fail only after ranks start or files are written."""
+    trainer, data = config.get("trainer") or {}, config.get("data") or {}
+    world = world_size(trainer)
+    init_args = (data.get("init_args") or {}) if hasattr(data, "get") else {}
+    batch = init_args.get("global_batch_size")
+    if world and isinstance(batch, int) and batch % world:
+        suggestion = batch - batch % world or world
+        raise BadInput(
+            f"global_batch_size={batch} does not divide evenly over {world} processes: set "
+            f"--data.global_batch_size to a multiple of {world} (e.g. {suggestion}) or change --trainer.devices."
+        )
+    data_path = init_args.get("data_path")
+    if data_path and not Path(data_path).is_file():
+        raise BadInput(f"--data.data_path {data_path} does not exist: pass an existing CSV file.")
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS and "://" not in str(ckpt_path):
+        check_checkpoint(str(ckpt_path), config.get("model"))
+
+
+def world_size(trainer: Any) -> int | None:
+    """Processes the trainer config asks for; refuses more GPUs than are visible. None when unknown."""
+    accelerator, devices = str(trainer.get("accelerator", "auto")), trainer.get("devices", "auto")
+    num_nodes = int(trainer.get("num_nodes") or 1)
+    gpus = torch.cuda.device_count()
+    wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
+        count = len([d for d in (devices if isinstance(devices, (list, tuple)) else devices.split(",")) if str(d)])
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    elif devices == "auto" or devices == -1:
+        count = gpus if wants_gpu else 1 if accelerator in ("cpu", "auto") else None
+    else:
+        return None
+    if wants_gpu and count and count > gpus:
+        visible = f"only {gpus} GPU{'s' if gpus != 1 else ''} visible" if gpus else "no CUDA GPU is visible"
+        fix = f"use --trainer.devices {gpus} or fewer" if gpus else "use --trainer.accelerator cpu"
+        raise BadInput(f"--trainer.devices asks for {count} GPUs but {visible}: {fix}.")
+    return count * num_nodes if count else None
+
+
+def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
+    """The checkpoint exists, loads without running code, and was saved by the configured model class."""
+    if not Path(ckpt_path).is_file():
+        raise BadInput(f"--ckpt_path {ckpt_path} does not exist: pass an existing .ckpt file (or 'last').")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise BadInput(
+            f"--ckpt_path {ckpt_path} is not a checkpoint that loads as plain weights ({first}). "
+            "Use a checkpoint written by this project; see README 'Untrusted files'."
+        ) from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise BadInput(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (no 'state_dict').")
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    saved_class = hparams.pop("_class_path", None)
+    hparams.pop("_instantiator", None)
+    configured = model_config.get("class_path") if hasattr(model_config, "get") else None
+    if saved_class and configured and saved_class != configured:
+        raise BadInput(
+            f"--ckpt_path {ckpt_path} was saved by model {saved_class}, but the model is {configured}: "
+            f"pass --model {saved_class} or another checkpoint."
+        )
+    # LightningCLI replaces the configured model arguments by the checkpoint's: say so when they differ.
+    init_args = (model_config.get("init_args") or {}) if hasattr(model_config, "get") else {}
+    changed = [f"{k}={hparams[k]!r} (configured {v!r})" for k, v in init_args.items() if hparams.get(k, v) != v]
+    if changed:
+        sys.stderr.write(
+            f"warning: --ckpt_path restores the model arguments saved in the checkpoint: {', '.join(changed)}\n"
+        )
+
+
+def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
+    """The checkpoint's weights have the names and shapes of the model's, whatever saved it."""
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
+    mine = model.state_dict()
+    missing, unexpected = sorted(mine.keys() - saved.keys()), sorted(saved.keys() - mine.keys())
+    reshaped = sorted(k for k in mine.keys() & saved.keys() if tuple(mine[k].shape) != tuple(saved[k].shape))
+    if missing or unexpected or reshaped:
+        names = (missing or unexpected or reshaped)[:3]
+        raise BadInput(
+            f"--ckpt_path {ckpt_path} holds weights of a different model ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected, {len(reshaped)} of another shape, e.g. {', '.join(names)}): "
+            f"select the model it was trained with (--model ...)."
+        )
