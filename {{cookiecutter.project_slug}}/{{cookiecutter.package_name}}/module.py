@@ -56,10 +56,6 @@ class DigitsClassifier(L.LightningModule):
         )
 
     def configure_model(self) -> None:
-        # Lightning loads a checkpoint's weights before it converts the module to the run's dtype: a
-        # float64 run would resume from weights rounded to float32. Convert first, so it resumes exactly.
-        if self.trainer.precision == "64-true":
-            self.double()
         # Only under ModelParallelStrategy (configs/model_parallel.yaml) is there a device mesh: then each
         # Linear layer is sharded over the ranks. Under DDP this does nothing.
         if self.device_mesh is not None:
