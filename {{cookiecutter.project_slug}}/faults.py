@@ -30,7 +30,7 @@ PROJECT = Path(__file__).resolve().parent
 EVERY_STEP = """
 trainer:
   callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+    - class_path: {{ cookiecutter.package_name }}.resilience.CurrentModelCheckpoint
       init_args:
         dirpath: DIRPATH
         every_n_train_steps: 1

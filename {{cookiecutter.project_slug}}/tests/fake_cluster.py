@@ -123,7 +123,7 @@ def last_checkpoint(root: Path) -> Path:
 
 
 def last_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
-    """The weights in last.ckpt, checked to be from `global_step` (it is only rewritten when val/acc improves)."""
+    """The weights in last.ckpt, checked to be from `global_step`."""
     ckpt = torch.load(last_checkpoint(root), weights_only=True)
     assert ckpt["global_step"] == global_step
     return ckpt["state_dict"]

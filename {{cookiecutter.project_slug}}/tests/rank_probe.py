@@ -32,6 +32,5 @@ class RankProbe(L.Callback):
         time.sleep(self.sleep_per_step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # last.ckpt is no evidence of the final step: Lightning 2.6 rewrites it only when the monitored
-        # metric improved.
+        # The step each rank ended on, straight from the trainer rather than from a checkpoint.
         print(f"RANK_PROBE_END global={trainer.global_rank} step={trainer.global_step}", flush=True)

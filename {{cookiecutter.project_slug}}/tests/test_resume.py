@@ -14,7 +14,7 @@ trainer:
   logger: false
   enable_progress_bar: false
   callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+    - class_path: {{ cookiecutter.package_name }}.resilience.CurrentModelCheckpoint
       init_args:
         dirpath: DIRPATH
         filename: "step{step}"

@@ -125,6 +125,32 @@ class TimedDDPStrategy(DDPStrategy):
         set_timeout(timeout)
 
 
+class CurrentModelCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` whose `last.ckpt` is always the latest epoch, as its docs promise.
+
+    Lightning 2.6.6 rewrites `last.ckpt` only when a top-k checkpoint was saved at
+    the same step (`model_checkpoint.py`, `on_validation_end`): with a monitored
+    metric that stops improving, `last.ckpt` stays at the best epoch and a resume
+    from it silently goes back in training. This saves it at every checkpoint
+    point where Lightning skipped it.
+    """
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_stale_last(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_stale_last(trainer)
+
+    def _save_stale_last(self, trainer: L.Trainer) -> None:
+        # Skipped when this step was already saved (by the parent, top-k and last together).
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 def checkpoint_dir(trainer: L.Trainer) -> str:
     """Where the first ModelCheckpoint writes, else <default_root_dir>/checkpoints."""
     callback = trainer.checkpoint_callback
