@@ -132,7 +132,6 @@ def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(monkeyp
     assert os.environ["TQDM_MINITERS"] == "1"
 
 
-
 def test_last_checkpoint_is_the_latest_epoch_when_the_metric_stalls(tmp_path):
     """With lr=0 val/acc never improves after epoch 0, yet last.ckpt holds epoch 2 (stock Lightning 2.6.6: epoch 0)."""
     run_ok(

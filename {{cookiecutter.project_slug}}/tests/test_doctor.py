@@ -136,7 +136,7 @@ def memory_hog(tmp_path_factory):
 def straggler(tmp_path_factory):
     """Rank 1 sleeps 100 ms in every training step; the doctor also reports every 10 batches."""
     root = tmp_path_factory.mktemp("straggler")
-    every_10 = ("--trainer.callbacks.init_args.report_every_n_steps", "10")
+    every_10 = ("--doctor.report_every_n_steps", "10")
     return doctor_fit(root, "--model", "doctor_cases.Straggler", *every_10)
 
 
@@ -187,14 +187,14 @@ def test_periodic_reports_cover_their_window(straggler):
 
 
 def test_doctor_can_be_switched_off(tmp_path):
-    """`--trainer.callbacks.init_args.enabled false` gives no report and no summary file."""
+    """`--doctor.enabled false` gives no report and no summary file."""
     out = run_ok(
         "fit",
         "--trainer.accelerator",
         "cpu",
         "--trainer.max_steps",
         "5",
-        "--trainer.callbacks.init_args.enabled",
+        "--doctor.enabled",
         "false",
         "--trainer.default_root_dir",
         str(tmp_path),

@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from .doctor import ScalingDoctor
 from .resilience import (
     LAUNCHER_PID,
     AtomicCheckpointIO,
@@ -62,6 +63,9 @@ class CLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Its own section (--doctor.*), not an entry of trainer.callbacks: switching it off or moving a
+        # threshold then never depends on where it sits in a list the user also appends to.
+        parser.add_lightning_class_args(ScalingDoctor, "doctor")
         parser.add_argument(
             "--dist_timeout",
             type=float,
