@@ -177,6 +177,8 @@ def main() -> None:
             "world_size": world,
         }
         args.out.write_text(json.dumps(record))
+    # Leave together: a rank that tears down gloo while rank 0 still writes can abort (SIGABRT seen in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -200,6 +200,12 @@ def world_size(trainer: Any) -> int | None:
 
 def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     """The checkpoint exists, loads without running code, and was saved by the configured model class."""
+    if Path(ckpt_path).is_dir():
+        # A sharded (distributed) checkpoint, e.g. from configs/model_parallel.yaml: torch's loader checks
+        # it shard by shard, so only its index is checked here.
+        if not (Path(ckpt_path) / ".metadata").is_file():
+            raise BadInput(f"--ckpt_path {ckpt_path} is a directory without a sharded checkpoint's .metadata.")
+        return
     if not Path(ckpt_path).is_file():
         raise BadInput(f"--ckpt_path {ckpt_path} does not exist: pass an existing .ckpt file (or 'last').")
     try:
