@@ -28,7 +28,8 @@ def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeo
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     cmd = [sys.executable, str(MAIN), "fit", "--trainer.devices", str(devices), "--trainer.max_steps", str(max_steps)]
-    cmd += ["--trainer.default_root_dir", str(root), *fit_args]  # the user's args come last and win
+    cmd += ["--trainer.default_root_dir", str(root), "--doctor.measure_comm", "true"]  # worth its cost in a sweep
+    cmd += fit_args  # the user's args come last and win
     log = root.with_suffix(".log")
     with log.open("w") as out:
         # Own session: on timeout the whole process group (every rank) is killed, nothing is left behind.

@@ -1,6 +1,7 @@
 """`python main.py` end to end: what a run writes, and that users can plug in their own modules."""
 
 import importlib
+import json
 import os
 import textwrap
 
@@ -152,3 +153,11 @@ def test_last_checkpoint_is_the_latest_epoch_when_the_metric_stalls(tmp_path):
     assert [p.name for p in checkpoints.glob("best-*")][0].startswith("best-epoch00-")
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert (last["epoch"], last["global_step"]) == (2, 48)
+
+
+def test_doctor_reports_by_default_without_timing_the_all_reduce(fitted):
+    """The default fit ends with the doctor's report; the costly comm hook is off unless asked for."""
+    root, out = fitted
+    summary = json.loads((root / "lightning_logs/version_0/doctor.json").read_text())
+    assert "Scaling doctor: 1 x cpu" in out and "comm not timed" in out
+    assert summary["comm_measured"] is False and summary["steps"] > 0

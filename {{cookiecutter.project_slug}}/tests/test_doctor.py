@@ -27,6 +27,8 @@ FIT = (
     "false",
     "--trainer.num_sanity_val_steps",
     "0",
+    "--doctor.measure_comm",  # off by default (its cost); the diagnoses below need it
+    "true",
 )
 CASES = {"PYTHONPATH": str(TESTS)}  # tests/doctor_cases.py, selected with --model / --data
 
