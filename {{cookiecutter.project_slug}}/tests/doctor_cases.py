@@ -55,9 +55,11 @@ class ManyDigits(DigitsDataModule):
         super().__init__(global_batch_size=global_batch_size)
         self.repeat = repeat
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.train_set = ConcatDataset([self.train_set] * self.repeat)
+    def train_sampler(self):
+        # Repeat before the parent's check that a global batch fits in the training set (setup calls this).
+        if not isinstance(self.train_set, ConcatDataset):
+            self.train_set = ConcatDataset([self.train_set] * self.repeat)
+        return super().train_sampler()
 
 
 class WideModel(DigitsClassifier):
@@ -114,8 +116,8 @@ class Straggler(DigitsClassifier):
 class Balanced(DigitsClassifier):
     """Enough compute per step that data, communication and overheads are small (healthy, with ManyDigits).
 
-    1.1 M parameters x 512 samples per device: ~3.5 GFLOP per step and rank against a 4.5 MB all-reduce,
-    so even a gloo all-reduce slowed to 20 ms by a busy host stays well under the 30% comm threshold.
+    1.1 M parameters x 1,024 samples per device (the sweep test's batch): ~7 GFLOP per step and rank
+    against a 4.5 MB all-reduce, so the gloo all-reduce stays well under the 30% comm threshold.
 
     Args:
         width: Width of the two hidden layers.
