@@ -125,6 +125,12 @@ class CLI(LightningCLI):
                 register_launcher(launcher)
                 watch_children()
             super()._run_subcommand(subcommand)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # Lightning keeps the process group to the end; gloo's destructor at interpreter exit then
+                # aborted a finished job now and then ("terminate called without an active exception").
+                # Leave together and tear it down while every rank is still alive.
+                torch.distributed.barrier()
+                torch.distributed.destroy_process_group()
         except StopRequested as stop:
             stop_children()
             sys.stderr.write(
