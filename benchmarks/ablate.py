@@ -27,8 +27,8 @@ VARIANTS = {
         f'--trainer.callbacks+={{"class_path": "{TQDM}", "init_args": {{"refresh_rate": 10}}}}'
     ],
     "no logger": ["--trainer.logger=false"],
+    "no scaling doctor": ["--doctor.enabled=false"],
     "no checkpointing": ["--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"],
-    "no per-step SIGTERM broadcast (measurement only)": ["--trainer.callbacks+=steptimer.SkipSigtermBroadcast"],
     "bare Trainer (no bar/logger/checkpoints)": [
         "--trainer.callbacks=[]",
         "--trainer.enable_checkpointing=false",
@@ -51,12 +51,16 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--launcher", choices=["lightning", "torchrun"], default="lightning")
     p.add_argument("--no-fixed-malloc", dest="fixed_malloc", action="store_false")
+    p.add_argument(
+        "--before", type=Path, help="another baked project (e.g. of an older commit): its defaults as a variant"
+    )
     args = p.parse_args()
     names = args.variants.split(",") if args.variants else list(VARIANTS)
     if unknown := set(names) - set(VARIANTS):
         p.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
 
-    results: dict[str, list[dict]] = {name: [] for name in ["raw DDP", *names]}
+    before = f"before: {args.before}" if args.before else None
+    results: dict[str, list[dict]] = {name: [] for name in ["raw DDP", *([before] if before else []), *names]}
     with tempfile.TemporaryDirectory(prefix="ddp-ablate-") as tmp:
         project = bake(Path(tmp) / "baked")
         for i in range(args.rounds):
@@ -65,6 +69,8 @@ def main() -> None:
                 run_dir.mkdir()
                 if name == "raw DDP":
                     runs.append(run_raw(project, run_dir, args.config, args.procs, args))
+                elif name == before:
+                    runs.append(run_template(args.before, run_dir, args.config, args.procs, args, []))
                 else:
                     runs.append(run_template(project, run_dir, args.config, args.procs, args, VARIANTS[name]))
             print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)

@@ -44,20 +44,6 @@ class StepTimer(L.Callback):
             torch.save(pl_module.state_dict(), os.environ["BENCH_TIMES"] + ".weights.pt")
 
 
-class SkipSigtermBroadcast(L.Callback):
-    """Measurement only: turns off Lightning 2.6's per-step SIGTERM broadcast, to show what it costs.
-
-    With more than one process, Lightning broadcasts a flag from rank 0 and reads
-    it back with `.item()` at every training step (upstream PR #20825; the cost is
-    discussed in issue #21487 and PR #21640 proposes a frequency setting). Without
-    it, a SIGTERM to one rank can leave the others hanging, so this is not for
-    real training.
-    """
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
-
-
 class CPUTimeProfiler(SimpleProfiler):
     """Lightning's SimpleProfiler timing each hook with the thread's CPU time instead of the wall clock.
 

@@ -48,6 +48,7 @@ class Scenario:
     model: tuple[str, ...] = ()  # --model.* overrides of faulty.FaultyClassifier
     signal: int | None = None  # sent once the marker file exists
     to_group: bool = False  # to the whole process group (Ctrl-C), else to the launcher only
+    to_rank1: bool = False  # to rank 1 only (the process Lightning's launcher started), not the launcher
     devices: int = 2
     checkpoint: bool = False  # a readable last.ckpt must exist afterwards
     every_step: bool = False  # checkpoint after every step (kill-during-write scenario)
@@ -60,6 +61,13 @@ SCENARIOS = {
     "hang0": Scenario("rank 0 sleeps forever at step 3", ("--model.fault", "hang", "--model.fault_rank", "0")),
     "sigterm": Scenario(
         "SIGTERM to the launcher mid-training", ("--model.step_sleep", "0.05"), signal.SIGTERM, checkpoint=True
+    ),
+    "sigterm-rank1": Scenario(
+        "SIGTERM to rank 1 only (e.g. an OOM killer or scheduler that signals one process)",
+        ("--model.step_sleep", "0.05"),
+        signal.SIGTERM,
+        to_rank1=True,
+        checkpoint=True,
     ),
     "sigint": Scenario(
         "Ctrl-C (SIGINT to the process group)",
@@ -105,6 +113,19 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Lightning's launcher: the other ranks)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().split(")")[1].split()[1]) == pid:
+                    children.append(int(entry.name))
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+    return sorted(children)
+
+
 def checkpoint_ok(path: Path) -> bool:
     """The file loads as plain weights and holds a training step."""
     try:
@@ -142,6 +163,8 @@ def run_scenario(
                     time.sleep(random.uniform(0.5, 2.5))
                 if sc.to_group:
                     os.killpg(proc.pid, sc.signal)
+                elif sc.to_rank1:
+                    os.kill(child_pids(proc.pid)[0], sc.signal)
                 else:
                     os.kill(proc.pid, sc.signal)
                 fault_time = time.monotonic()

@@ -49,35 +49,54 @@ class StopRequested(Exception):
 class GracefulStop(Callback):
     """SIGTERM/SIGINT during `fit`: all ranks finish the step, save `last.ckpt`, then raise `StopRequested`.
 
-    The signal handler only records the signal. After each training step the
-    ranks agree (one tiny all-reduce) whether any of them got one, so they all
-    stop after the same step, even when only the launcher was signalled
-    (`kill PID`) rather than the whole process group (Ctrl-C). The checkpoint is
-    saved where Lightning's ModelCheckpoint saves it at that point, so resuming
-    with `--ckpt_path .../last.ckpt` continues with the next step's samples.
-    A second signal while stopping (or one outside the training loop) exits at once.
+    The signal handler only records the signal. The ranks then agree whether any
+    of them got one, so they all stop after the same step, even when only the
+    launcher was signalled (`kill PID`) rather than the whole process group
+    (Ctrl-C). The checkpoint is saved where Lightning's ModelCheckpoint saves it
+    at that point, so resuming with `--ckpt_path .../last.ckpt` continues with the
+    next step's samples. A second signal while stopping (or one outside the
+    training loop) exits at once.
+
+    Agreeing costs nothing per step: each step starts a one-number all-reduce in
+    the background and reads the previous step's result, which finished long ago,
+    so no rank waits and no GPU is synchronised (the price: the stop comes one step
+    later). With one process there is nothing to agree on. This also takes over
+    Lightning 2.6's own per-step check, a blocking broadcast of rank 0's SIGTERM
+    flag that only knows rank 0's signals and was a second sync point per step
+    (benchmarks/README.md).
     """
 
     def __init__(self) -> None:
         self.signum = 0
         self._previous: dict[int, Any] = {}
+        self._pending: tuple | None = None  # the all-reduce started last step: (work, flag, host copy, event)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.received_sigterm:  # Lightning's handler (active until now) got one during set-up
+            self.signum = signal.SIGTERM
         # Replaces Lightning's SIGTERM handler, which forwards the signal and broadcasts inside the handler.
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._request)
+        # An instance attribute shadows the loop's method; on_train_end removes it. With Lightning's handler
+        # replaced its flag stays False, so the broadcast could only ever send "no".
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _skip
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restore_handlers()
+        if self._pending is not None:
+            self._pending[0].wait()  # every rank started it: leave no collective half done
+            self._pending = None
+        self._restore(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore_handlers()
+        self._pending = None  # another rank may be gone: do not wait for it
+        self._restore(trainer)
 
-    def _restore_handlers(self) -> None:
+    def _restore(self, trainer: L.Trainer) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
 
     def _request(self, signum: int, frame: Any) -> None:
         if self.signum:  # asked twice: do not wait for the step to end
@@ -86,19 +105,49 @@ class GracefulStop(Callback):
             os._exit(128 + signum)
         self.signum = signum
         sys.stderr.write(
-            f"rank {rank_label()}: got {signal.Signals(signum).name}; saving a checkpoint after this step "
+            f"rank {rank_label()}: got {signal.Signals(signum).name}; saving a checkpoint after the next step "
             "(send it again to exit at once)\n"
         )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        flag = torch.tensor(self.signum, device=pl_module.device)
-        signum = int(trainer.strategy.reduce(flag, reduce_op="max"))  # any rank signalled -> all stop
+        if trainer.world_size == 1 or not torch.distributed.is_initialized():
+            signum = self.signum
+        else:
+            signum = self._agreed_signal(pl_module.device)
         if not signum:
             return
         _stopping.set()
         path = str(Path(checkpoint_dir(trainer)) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt")
         trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
         raise StopRequested(signum, trainer.global_step, path)
+
+    def _agreed_signal(self, device: torch.device) -> int:
+        """The largest signal any rank had when the previous step ended (0: none); starts this step's exchange."""
+        agreed = 0
+        if self._pending is not None:
+            work, flag, host, event = self._pending
+            work.wait()  # gloo: done long ago; NCCL: only orders the device stream
+            if event is not None:
+                event.synchronize()  # the host copy of the previous step's result, not the current step
+            agreed = int(host)
+        if agreed:
+            self._pending = None
+            return agreed
+        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
+        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        host, event = flag, None
+        if device.type == "cuda":
+            work.wait()
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (work, flag, host, event)
+        return 0
+
+
+def _skip() -> None:
+    """Stands in for Lightning's per-step SIGTERM broadcast while GracefulStop runs."""
 
 
 class TimedDDPStrategy(DDPStrategy):
