@@ -4,11 +4,13 @@
     python benchmarks/run.py --accelerator gpu --precision bf16-mixed
 
 Bakes the template into a temporary directory, then for each configuration and
-process count alternates A = `torchrun benchmarks/raw_ddp.py` and B = the baked
-project's own `python main.py fit` with its default config (logger, progress
-bar, checkpoints on), changing only the model size, epochs and device flags, and
-adding the `StepTimer` callback. Both record rank 0's clock at the start of
-every training batch. See benchmarks/README.md for what each figure means.
+process count alternates A = `torchrun benchmarks/raw_ddp.py`, L =
+`benchmarks/bare_lightning.py` (the same training in a bare Trainer: Lightning's
+own cost) and B = the baked project's own `python main.py fit` with its default
+config (logger, progress bar, checkpoints on), changing only the model size,
+epochs and device flags, and adding the `StepTimer` callback. All record rank
+0's clock at the start of every training batch. See benchmarks/README.md for
+what each figure means.
 """
 
 import argparse
@@ -27,6 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+
 from mfu import mfu, mlp_train_flops, peak_flops  # benchmarks/ is on sys.path as the script's directory
 
 HERE = Path(__file__).resolve().parent
@@ -151,17 +154,36 @@ def run_template(project: Path, run_dir: Path, name: str, procs: int, args, extr
     return step_stats(json.loads((run_dir / "template.json").read_text()), launch, time.time())
 
 
+def run_bare(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
+    """One `bare_lightning.py` run (Lightning's launcher): the raw loop's training in a bare Trainer."""
+    hidden, layers, epochs = CONFIGS[name]
+    flags = {
+        "project": project, "out": run_dir / "bare.json", "hidden-dim": hidden, "num-layers": layers,
+        "global-batch-size": GLOBAL_BATCH, "epochs": args.epochs or epochs, "devices": procs,
+        "accelerator": args.accelerator, "precision": args.precision,
+    }  # fmt: skip
+    cmd = [sys.executable, str(HERE / "bare_lightning.py"), *(f"--{k}={v}" for k, v in flags.items())]
+    env = {**run_env(procs, args), "BENCH_TIMES": str(run_dir / "bare.json")}
+    launch, _ = run(cmd, run_dir, env, args.timeout)
+    return step_stats(json.loads((run_dir / "bare.json").read_text()), launch, time.time())
+
+
 def bench_pair(project: Path, work: Path, name: str, procs: int, repeat: int, args) -> dict:
-    """A then B in a fresh directory: their figures, the step-time ratio and the final-weight difference."""
+    """A, L, B in a fresh directory: their figures, the step-time ratios and the final-weight differences."""
     run_dir = work / f"{name}-{procs}p-{repeat}"
     run_dir.mkdir()
     raw = run_raw(project, run_dir, name, procs, args)
+    bare = run_bare(project, run_dir, name, procs, args)
     template = run_template(project, run_dir, name, procs, args, args.template_args)
     return {
         "raw": raw,
+        "bare": bare,
         "template": template,
         "weight_diff": max_weight_diff(run_dir / "template.json.weights.pt", run_dir / "raw.pt"),
+        "bare_weight_diff": max_weight_diff(run_dir / "bare.json.weights.pt", run_dir / "raw.pt"),
         "ratio": template["step_ms"] / raw["step_ms"],
+        "bare_ratio": bare["step_ms"] / raw["step_ms"],
+        "template_vs_bare": template["step_ms"] / bare["step_ms"],
     }
 
 
@@ -171,14 +193,20 @@ def spread(values: list[float]) -> dict:
 
 def summarise(name: str, procs: int, pairs: list[dict], args) -> dict:
     row = {"config": name, "procs": procs, "repeats": len(pairs)}
-    for side in ("raw", "template"):
+    for side in ("raw", "bare", "template"):
         for key in ("step_ms", "p10_step_ms", "cpu_ms", "mean_step_ms", "boundary_ms", "first_step_s", "wall_s"):
             values = [p[side][key] for p in pairs if p[side][key] is not None]
             row[f"{side}_{key}"] = spread(values) if values else None
     row["ratio"] = spread([p["ratio"] for p in pairs])  # per A/B pair, so shared noise cancels
     row["overhead_ms"] = spread([p["template"]["step_ms"] - p["raw"]["step_ms"] for p in pairs])
+    # Split of the overhead: Lightning's own loop (bare Trainer vs raw) and the template's (template vs bare).
+    row["bare_ratio"] = spread([p["bare_ratio"] for p in pairs])
+    row["bare_overhead_ms"] = spread([p["bare"]["step_ms"] - p["raw"]["step_ms"] for p in pairs])
+    row["template_vs_bare"] = spread([p["template_vs_bare"] for p in pairs])
+    row["template_over_bare_ms"] = spread([p["template"]["step_ms"] - p["bare"]["step_ms"] for p in pairs])
     row["cpu_ratio"] = spread([p["template"]["cpu_ms"] / p["raw"]["cpu_ms"] for p in pairs])
     row["weight_diff"] = max(p["weight_diff"] for p in pairs)
+    row["bare_weight_diff"] = max(p["bare_weight_diff"] for p in pairs)
     row["timed_steps"] = pairs[0]["template"]["timed_steps"]
     if args.accelerator == "gpu":
         hidden, layers, _ = CONFIGS[name]
@@ -199,21 +227,33 @@ def fmt(s: dict | None, digits: int = 2) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """Two markdown tables: step time and where the overhead goes; then CPU time, start-up and wall time."""
     columns = [
-        "config", "procs", "raw ms/step", "template ms/step", "ratio", "overhead ms/step",
-        "CPU ms/step raw / template", "CPU ratio", "epoch boundary ms raw / template", "first step s raw / template", "wall s raw / template", "max weight diff",
+        "config", "procs", "raw ms/step", "bare Lightning ms/step", "template ms/step", "ratio", "overhead ms/step",
+        "of which Lightning ms", "of which template ms", "template / bare Lightning", "max weight diff template / bare",
     ]  # fmt: skip
-    with_mfu = any("raw_mfu" in r for r in rows)  # GPU runs with a known peak
-    columns += ["MFU raw / template"] if with_mfu else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['procs']} | {fmt(r['raw_step_ms'])} | {fmt(r['template_step_ms'])} | "
-            f"{fmt(r['ratio'], 3)} | {fmt(r['overhead_ms'])} | {fmt(r['raw_cpu_ms'])} / {fmt(r['template_cpu_ms'])} | "
-            f"{fmt(r['cpu_ratio'], 3)} | "
-            f"{fmt(r['raw_boundary_ms'], 0)} / {fmt(r['template_boundary_ms'], 0)} | "
-            f"{fmt(r['raw_first_step_s'], 1)} / {fmt(r['template_first_step_s'], 1)} | "
-            f"{fmt(r['raw_wall_s'], 1)} / {fmt(r['template_wall_s'], 1)} | {r['weight_diff']:.1e} |"
+            f"| {r['config']} | {r['procs']} | {fmt(r['raw_step_ms'])} | {fmt(r['bare_step_ms'])} | "
+            f"{fmt(r['template_step_ms'])} | {fmt(r['ratio'], 3)} | {fmt(r['overhead_ms'])} | "
+            f"{fmt(r['bare_overhead_ms'])} | {fmt(r['template_over_bare_ms'])} | {fmt(r['template_vs_bare'], 3)} | "
+            f"{r['weight_diff']:.1e} / {r['bare_weight_diff']:.1e} |"
+        )
+    columns = [
+        "config", "procs", "CPU ms/step raw / bare / template", "CPU ratio", "epoch boundary ms raw / template",
+        "first step s raw / bare / template", "wall s raw / bare / template",
+    ]  # fmt: skip
+    with_mfu = any("raw_mfu" in r for r in rows)  # GPU runs with a known peak
+    columns += ["MFU raw / template"] if with_mfu else []
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        sides = ("raw", "bare", "template")
+        lines.append(
+            f"| {r['config']} | {r['procs']} | {' / '.join(fmt(r[f'{s}_cpu_ms']) for s in sides)} | "
+            f"{fmt(r['cpu_ratio'], 3)} | {fmt(r['raw_boundary_ms'], 0)} / {fmt(r['template_boundary_ms'], 0)} | "
+            f"{' / '.join(fmt(r[f'{s}_first_step_s'], 1) for s in sides)} | "
+            f"{' / '.join(fmt(r[f'{s}_wall_s'], 1) for s in sides)} |"
         )
         if with_mfu:
             mfus = [r.get(f"{side}_mfu") for side in ("raw", "template")]

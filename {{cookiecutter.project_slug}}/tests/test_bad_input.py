@@ -40,6 +40,7 @@ CASES = {
     "unknown flag": (["--trainer.devicez", "2"], "unrecognized arguments: --trainer.devicez"),
     "no GPU": (["--trainer.accelerator", "gpu"], "--trainer.devices asks for 2 GPUs but no CUDA GPU is visible"),
     "indivisible batch": (["--data.global_batch_size", "63"], "global_batch_size=63 does not divide evenly over 2"),
+    "zero stop check": (["--stop_check_every_n_steps", "0"], "stop_check_every_n_steps"),
     "missing data": (["--data.data_path", "nope.csv"], "--data.data_path nope.csv does not exist"),
     "missing checkpoint": (["--ckpt_path", "nope.ckpt"], "--ckpt_path nope.ckpt does not exist"),
     "other model": (["--ckpt_path", "CKPTS/other.ckpt"], "was saved by model other.Model, but the model is"),

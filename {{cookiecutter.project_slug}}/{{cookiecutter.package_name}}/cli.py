@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -75,6 +76,15 @@ class CLI(LightningCLI):
             "rank legitimately works alone for longer (a big checkpoint on a slow disk, a first compile).",
         )
 
+        parser.add_argument(
+            "--stop_check_every_n_steps",
+            type=PositiveInt,
+            default=10,
+            help="Training steps between the ranks' checks for SIGTERM/Ctrl-C (a one-number all-reduce in "
+            "the background). A signal stops every rank, with a checkpoint, within this many steps + 1; lower "
+            "it when steps are long and the scheduler's grace period is short.",
+        )
+
     # --- checks before anything starts ---------------------------------------------------------------
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -114,7 +124,8 @@ class CLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super()._instantiate_trainer(config, [*callbacks, GracefulStop()])
+        stop = GracefulStop(self._get(self.config, "stop_check_every_n_steps"))
+        return super()._instantiate_trainer(config, [*callbacks, stop])
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 

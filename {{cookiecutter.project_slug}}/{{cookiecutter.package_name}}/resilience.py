@@ -57,19 +57,30 @@ class GracefulStop(Callback):
     next step's samples. A second signal while stopping (or one outside the
     training loop) exits at once.
 
-    Agreeing costs nothing per step: each step starts a one-number all-reduce in
-    the background and reads the previous step's result, which finished long ago,
-    so no rank waits and no GPU is synchronised (the price: the stop comes one step
-    later). With one process there is nothing to agree on. This also takes over
-    Lightning 2.6's own per-step check, a blocking broadcast of rank 0's SIGTERM
-    flag that only knows rank 0's signals and was a second sync point per step
-    (benchmarks/README.md).
+    Agreeing does not make any rank wait: every `check_every_n_steps` steps the
+    ranks start a one-number all-reduce in the background and read its result
+    one step later, when it has long finished, and no GPU is synchronised. A
+    signal therefore stops training within `check_every_n_steps` + 1 steps. With
+    one process there is nothing to agree on and the flag is read every step.
+    This also takes over Lightning 2.6's own per-step check, a blocking broadcast
+    of rank 0's SIGTERM flag that only knows rank 0's signals and was a second
+    sync point per step (benchmarks/README.md).
+
+    Args:
+        check_every_n_steps: Training batches between the ranks' exchanges. Each
+            cost ~0.8 ms on 2 CPU processes (gloo wakes a thread on every rank),
+            much less with NCCL; lower it when steps are long and the scheduler's
+            grace period is short.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, check_every_n_steps: int = 10) -> None:
+        if check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be >= 1, got {check_every_n_steps}")
+        self.check_every_n_steps = check_every_n_steps
         self.signum = 0
         self._previous: dict[int, Any] = {}
-        self._pending: tuple | None = None  # the all-reduce started last step: (work, flag, host copy, event)
+        self._batches = 0  # training batches ended in this fit: the same count on every rank
+        self._pending: tuple | None = None  # the all-reduce started one batch ago: (work, flag, host copy, event)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.received_sigterm:  # Lightning's handler (active until now) got one during set-up
@@ -105,15 +116,16 @@ class GracefulStop(Callback):
             os._exit(128 + signum)
         self.signum = signum
         sys.stderr.write(
-            f"rank {rank_label()}: got {signal.Signals(signum).name}; saving a checkpoint after the next step "
-            "(send it again to exit at once)\n"
+            f"rank {rank_label()}: got {signal.Signals(signum).name}; all ranks save a checkpoint within "
+            f"{self.check_every_n_steps + 1} steps (send it again to exit at once)\n"
         )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._batches += 1
         if trainer.world_size == 1 or not torch.distributed.is_initialized():
             signum = self.signum
         else:
-            signum = self._agreed_signal(pl_module.device)
+            signum = self._agreed_signal(pl_module.device, start=self._batches % self.check_every_n_steps == 0)
         if not signum:
             return
         _stopping.set()
@@ -121,17 +133,18 @@ class GracefulStop(Callback):
         trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
         raise StopRequested(signum, trainer.global_step, path)
 
-    def _agreed_signal(self, device: torch.device) -> int:
-        """The largest signal any rank had when the previous step ended (0: none); starts this step's exchange."""
+    def _agreed_signal(self, device: torch.device, start: bool) -> int:
+        """The largest signal any rank had at the exchange started one batch ago (0: none, or no exchange);
+        with `start`, starts the next exchange."""
         agreed = 0
         if self._pending is not None:
             work, flag, host, event = self._pending
+            self._pending = None
             work.wait()  # gloo: done long ago; NCCL: only orders the device stream
             if event is not None:
-                event.synchronize()  # the host copy of the previous step's result, not the current step
+                event.synchronize()  # the host copy of that result, queued a whole step before this one
             agreed = int(host)
-        if agreed:
-            self._pending = None
+        if agreed or not start:
             return agreed
         flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
         work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
