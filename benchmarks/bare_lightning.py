@@ -85,6 +85,11 @@ def main() -> None:
         default_root_dir=args.out.parent,
     )
     trainer.fit(module)
+    # As raw_ddp.py ends: leave together, then skip the interpreter shutdown in which gloo's threads can abort.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def strip_devices(argv: list[str]) -> tuple[list[str], int]:

@@ -18,7 +18,7 @@ mfu, mlp_train_flops, peak_flops = mfu_module.mfu, mfu_module.mlp_train_flops, m
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """One tiny benchmark: the small config, 2 processes, one A/B pair, 2 epochs (epoch 0 untimed)."""
+    """One tiny benchmark: the small config, 2 processes, one raw/bare/template round, 2 epochs (epoch 0 untimed)."""
     out = tmp_path_factory.mktemp("bench") / "report.json"
     cmd = [sys.executable, str(BENCH / "run.py"), "--configs", "small", "--procs", "2", "--repeats", "1",
            "--epochs", "2", "--json", str(out)]  # fmt: skip
@@ -39,13 +39,20 @@ def report(tmp_path_factory):
 
 
 def test_report_has_one_row_with_every_figure(report):
-    """The JSON row names its config and carries step times, ratio, start-up and wall time for both sides."""
+    """The JSON row names its config and carries step times, ratios, start-up and wall time for all three sides."""
     data, _ = report
     (row,) = data["rows"]
     assert (row["config"], row["procs"], row["repeats"]) == ("small", 2, 1)
     for key in ("step_ms", "cpu_ms", "first_step_s", "wall_s"):
-        assert row[f"raw_{key}"]["median"] > 0 and row[f"template_{key}"]["median"] > 0, key
-    assert row["ratio"]["median"] == pytest.approx(row["template_step_ms"]["median"] / row["raw_step_ms"]["median"])
+        for side in ("raw", "bare", "template"):
+            assert row[f"{side}_{key}"]["median"] > 0, (side, key)
+    step = {side: row[f"{side}_step_ms"]["median"] for side in ("raw", "bare", "template")}
+    assert row["ratio"]["median"] == pytest.approx(step["template"] / step["raw"])
+    assert row["bare_ratio"]["median"] == pytest.approx(step["bare"] / step["raw"])
+    assert row["template_vs_bare"]["median"] == pytest.approx(step["template"] / step["bare"])
+    # The overhead over raw DDP splits exactly into Lightning's part and the template's.
+    parts = row["bare_overhead_ms"]["median"] + row["template_over_bare_ms"]["median"]
+    assert parts == pytest.approx(row["overhead_ms"]["median"])
     assert row["cpu_ratio"]["median"] == pytest.approx(row["template_cpu_ms"]["median"] / row["raw_cpu_ms"]["median"])
     assert data["machine"]["cpus"] == os.cpu_count()
 
@@ -56,16 +63,17 @@ def test_epoch_zero_is_not_timed(report):
     assert row["timed_steps"] == 15
 
 
-def test_raw_loop_and_template_end_with_the_same_weights(report):
-    """Same model, data order, optimizer and seed: the final weights agree to float rounding."""
+def test_raw_loop_bare_lightning_and_template_end_with_the_same_weights(report):
+    """Same model, data order, optimizer and seed: the final weights of all three agree to float rounding."""
     (row,) = report[0]["rows"]
     assert row["weight_diff"] < 1e-6
+    assert row["bare_weight_diff"] < 1e-6
 
 
 def test_markdown_table_is_printed(report):
     """stdout carries the results table with a `small` row for 2 processes."""
     _, text = report
-    assert "| config | procs | raw ms/step | template ms/step | ratio |" in text
+    assert "| config | procs | raw ms/step | bare Lightning ms/step | template ms/step | ratio |" in text
     assert "| small | 2 |" in text
 
 

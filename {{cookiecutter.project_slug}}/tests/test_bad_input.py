@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import run_main
 
-from {{ cookiecutter.package_name }}.cli import check_checkpoint
+from {{ cookiecutter.package_name }}.cli import BadInput, check_checkpoint, check_state_dict_fits
 from {{ cookiecutter.package_name }}.module import DigitsClassifier
 
 # Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
@@ -91,3 +91,16 @@ def test_checkpoint_arguments_that_replace_given_ones_are_warned(tmp_path, capsy
     assert capsys.readouterr().err == (
         "warning: --ckpt_path restores the model arguments saved in the checkpoint: hidden_dim=32 (configured 64)\n"
     )
+
+
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
+    """The checks map zip checkpoints lazily and fall back to a plain load for the legacy format;
+    a fitting checkpoint passes both, and a foreign one still fails."""
+    path = str(tmp_path / "good.ckpt")
+    weights = DigitsClassifier().state_dict()
+    torch.save({"state_dict": weights}, path, _use_new_zipfile_serialization=zipfile)
+    check_checkpoint(path, {"class_path": "x.Y"})
+    check_state_dict_fits(DigitsClassifier(), path)
+    with pytest.raises(BadInput, match="holds weights of a different model"):
+        check_state_dict_fits(DigitsClassifier(hidden_dim=8), path)

@@ -215,6 +215,17 @@ def world_size(trainer: Any) -> int | None:
     return count * num_nodes if count else None
 
 
+def load_lazily(ckpt_path: str) -> Any:
+    """The checkpoint, weights-only, with tensors memory-mapped: the checks read names, shapes and
+    hyperparameters, so a multi-GB file costs them next to nothing (Lightning reads it once more to resume)."""
+    try:
+        return torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap" not in str(error):  # only the legacy (pre-zip) format cannot be mapped
+            raise
+        return torch.load(ckpt_path, map_location="cpu", weights_only=True)
+
+
 def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     """The checkpoint exists, loads without running code, and was saved by the configured model class."""
     if Path(ckpt_path).is_dir():
@@ -226,7 +237,7 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     if not Path(ckpt_path).is_file():
         raise BadInput(f"--ckpt_path {ckpt_path} does not exist: pass an existing .ckpt file (or 'last').")
     try:
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        checkpoint = load_lazily(ckpt_path)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise BadInput(
@@ -255,7 +266,7 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
 
 def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
     """The checkpoint's weights have the names and shapes of the model's, whatever saved it."""
-    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
+    saved = load_lazily(ckpt_path)["state_dict"]
     mine = model.state_dict()
     missing, unexpected = sorted(mine.keys() - saved.keys()), sorted(saved.keys() - mine.keys())
     reshaped = sorted(k for k in mine.keys() & saved.keys() if tuple(mine[k].shape) != tuple(saved[k].shape))
