@@ -15,6 +15,7 @@ what each figure means.
 
 import argparse
 import contextlib
+import importlib
 import itertools
 import json
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from mfu import mfu, mlp_train_flops, peak_flops  # benchmarks/ is on sys.path as the script's directory
+from mfu import mfu, mlp_train_flops  # benchmarks/ is on sys.path as the script's directory
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -191,7 +192,15 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarise(name: str, procs: int, pairs: list[dict], args) -> dict:
+def baked_module(project: Path, name: str):
+    """A module of the baked project's package, e.g. its `throughput` (the code the project itself runs)."""
+    (csv_path,) = project.glob("*/digits.csv.gz")
+    if str(project) not in sys.path:
+        sys.path.insert(0, str(project))
+    return importlib.import_module(f"{csv_path.parent.name}.{name}")
+
+
+def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> dict:
     row = {"config": name, "procs": procs, "repeats": len(pairs)}
     for side in ("raw", "bare", "template"):
         for key in ("step_ms", "p10_step_ms", "cpu_ms", "mean_step_ms", "boundary_ms", "first_step_s", "wall_s"):
@@ -211,9 +220,10 @@ def summarise(name: str, procs: int, pairs: list[dict], args) -> dict:
     if args.accelerator == "gpu":
         hidden, layers, _ = CONFIGS[name]
         # 32-true: neither side enables TF32 matmuls (torch defaults to "highest"), so the plain FP32 peak.
-        peak = peak_flops(torch.cuda.get_device_name(0), "bf16" if args.precision.startswith("bf16") else "fp32")
+        dtype = "bf16" if args.precision.startswith("bf16") else "fp32"
+        peak = baked_module(project, "throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
         flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
-        for side in ("raw", "template"):
+        for side in ("raw", "bare", "template"):
             # The mean, not the median: on a GPU the host runs ahead of the device between syncs.
             step_s = row[f"{side}_mean_step_ms"]["median"] / 1e3
             row[f"{side}_mfu"] = mfu(flops, step_s, peak, procs) if peak else None
@@ -245,7 +255,7 @@ def table(rows: list[dict]) -> str:
         "first step s raw / bare / template", "wall s raw / bare / template",
     ]  # fmt: skip
     with_mfu = any("raw_mfu" in r for r in rows)  # GPU runs with a known peak
-    columns += ["MFU raw / template"] if with_mfu else []
+    columns += ["MFU raw / bare / template"] if with_mfu else []
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         sides = ("raw", "bare", "template")
@@ -256,7 +266,7 @@ def table(rows: list[dict]) -> str:
             f"{' / '.join(fmt(r[f'{s}_wall_s'], 1) for s in sides)} |"
         )
         if with_mfu:
-            mfus = [r.get(f"{side}_mfu") for side in ("raw", "template")]
+            mfus = [r.get(f"{side}_mfu") for side in ("raw", "bare", "template")]
             lines[-1] += " " + " / ".join("-" if m is None else f"{m:.1%}" for m in mfus) + " |"
     return "\n".join(lines)
 
@@ -314,7 +324,7 @@ def main() -> None:
         for name in args.configs.split(","):
             for procs in map(int, args.procs.split(",")):
                 pairs = [bench_pair(project, work, name, procs, i, args) for i in range(args.repeats)]
-                rows.append(summarise(name, procs, pairs, args))
+                rows.append(summarise(name, procs, pairs, args, project))
                 print(f"{name} x{procs}: ratio {fmt(rows[-1]['ratio'], 3)}", file=sys.stderr, flush=True)
     machine = {
         "platform": platform.platform(),

@@ -41,6 +41,7 @@ COMMON = {
     "ddp_digits/sampling.py",
     "ddp_digits/sharding.py",
     "ddp_digits/text.py",
+    "ddp_digits/throughput.py",
     "tests/fake_cluster.py",
     "tests/doctor_cases.py",
     "tests/doctor_overhead.py",

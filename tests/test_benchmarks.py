@@ -13,7 +13,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 mfu_module = importlib.import_module("mfu")  # benchmarks/mfu.py
-mfu, mlp_train_flops, peak_flops = mfu_module.mfu, mfu_module.mlp_train_flops, mfu_module.peak_flops
+run_module = importlib.import_module("run")  # benchmarks/run.py
+mfu, mlp_train_flops = mfu_module.mfu, mfu_module.mlp_train_flops
 
 
 @pytest.fixture(scope="module")
@@ -77,22 +78,11 @@ def test_markdown_table_is_printed(report):
     assert "| small | 2 |" in text
 
 
-def test_peak_flops_recognises_a_plain_h200():
-    """'NVIDIA H200' (the SXM part) gets the dense bf16 peak; Lightning's lookup returns nothing for it."""
-    assert peak_flops("NVIDIA H200", "bf16") == 989.5e12
-    assert peak_flops("NVIDIA H200 NVL", "bf16") == 835.5e12
-
-
-def test_peak_flops_tells_h100_variants_apart():
-    """The SXM (HBM3) and PCIe H100s have different peaks."""
-    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12
-    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
-
-
-def test_unknown_device_or_dtype_has_no_peak():
-    """No guess for a device or dtype that is not in the table."""
-    assert peak_flops("cpu", "bf16") is None
-    assert peak_flops("NVIDIA A100-SXM4-80GB", "int4") is None
+def test_gpu_peaks_come_from_the_baked_project(default_project):
+    """run.py takes MFU peaks from the project's throughput.py, which knows a plain 'NVIDIA H200'."""
+    throughput = run_module.baked_module(default_project, "throughput")
+    assert throughput.peak_flops("NVIDIA H200", "bf16") == 989.5e12
+    assert throughput.__file__.startswith(str(default_project))
 
 
 def test_mlp_flops_count_matmuls_only():

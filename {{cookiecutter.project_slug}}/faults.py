@@ -135,13 +135,18 @@ def checkpoint_ok(path: Path) -> bool:
 
 
 def run_scenario(
-    name: str, workdir: Path, dist_timeout: float = 20, deadline: float = 120, max_steps: int = 60
+    name: str,
+    workdir: Path,
+    dist_timeout: float = 20,
+    deadline: float = 120,
+    max_steps: int = 60,
+    accelerator: str = "cpu",
 ) -> Result:
     """Run one scenario in `workdir` (created) and measure how the job ended."""
     sc = SCENARIOS[name]
     workdir.mkdir(parents=True, exist_ok=True)
     marker = workdir / "step_reached"
-    args = [sys.executable, str(PROJECT / "main.py"), "fit", "--trainer.accelerator", "cpu"]
+    args = [sys.executable, str(PROJECT / "main.py"), "fit", "--trainer.accelerator", accelerator]
     args += ["--trainer.devices", str(sc.devices), "--trainer.default_root_dir", str(workdir)]
     args += ["--trainer.max_steps", str(max_steps), "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.logger", "false"]

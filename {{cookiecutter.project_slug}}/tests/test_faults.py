@@ -83,3 +83,17 @@ def test_resume_after_sigterm_matches_uninterrupted(results, tmp_path):
     assert a["global_step"] == b["global_step"] == STEPS
     diff = torch.cat([(a["state_dict"][k] - b["state_dict"][k]).flatten() for k in b["state_dict"]])
     assert diff.abs().max().item() < 1e-6
+
+
+GPUS = torch.cuda.device_count()
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"the NCCL stop path needs 2 visible GPUs, found {GPUS}")
+@pytest.mark.parametrize("name", ["sigterm", "sigterm-rank1"])
+def test_signal_stops_both_gpu_ranks_with_a_checkpoint(tmp_path, name):
+    """On 2 GPUs (NCCL) the background exchange goes through pinned memory and an event; same outcome as on CPU."""
+    result = run_scenario(name, tmp_path / name, dist_timeout=TIMEOUT, max_steps=STEPS, accelerator="gpu")
+    assert result.returncode == 143 and result.orphans == 0, result.output[-3000:]
+    assert not result.checkpoint_lost and "Resume with: --ckpt_path" in result.output
+    step = torch.load(result.workdir / "checkpoints/last.ckpt", weights_only=True)["global_step"]
+    assert 3 <= step < STEPS

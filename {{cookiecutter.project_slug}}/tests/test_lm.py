@@ -2,7 +2,9 @@
 
 import itertools
 import math
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import PROJECT, run_ok
@@ -71,3 +73,82 @@ def test_lm_trains_sharded_from_the_presets(tmp_path):
     assert sorted(p.name for p in best.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     val_loss = float(best.name.removesuffix(".ckpt").split("loss")[1])
     assert val_loss < math.log(VOCAB_SIZE) - 0.5  # 4 steps from 5.55 (measured: 4.51)
+
+
+def fit_with_monitor(tmp_path, accelerator: str) -> list[dict]:
+    """A tiny LM fit for 20 steps with the MFU monitor and a CSV logger; the logged rows."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from {{ cookiecutter.package_name }}.text import sequences_in, tokens_in
+    from {{ cookiecutter.package_name }}.throughput import MFUThroughputMonitor
+
+    L.seed_everything(0)
+    monitor = MFUThroughputMonitor(batch_size_fn=sequences_in, length_fn=tokens_in, window_size=5)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, max_steps=20, log_every_n_steps=5, callbacks=[monitor],
+        logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(LanguageModel(**TINY), TextDataModule(global_batch_size=16, block_size=TINY["block_size"]))
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row.get("train/device/flops_per_sec")]
+
+
+def test_monitor_reports_mfu_against_the_dense_peak(tmp_path, monkeypatch):
+    """MFU = FLOP/s per device / the table's dense peak; the CPU stands in for a GPU the table knows."""
+    from {{ cookiecutter.package_name }} import throughput
+
+    monkeypatch.setattr(throughput, "device_peak_flops", lambda device, precision: 1e12)
+    rows = fit_with_monitor(tmp_path, "cpu")
+    assert len(rows) >= 2
+    for row in rows:
+        assert float(row["train/device/mfu"]) == pytest.approx(float(row["train/device/flops_per_sec"]) / 1e12)
+
+
+def test_peak_flops_recognises_a_plain_h200():
+    """'NVIDIA H200' (the SXM part) gets the dense bf16 peak; Lightning 2.6's lookup returns nothing for it."""
+    from lightning.fabric.utilities.throughput import _CUDA_FLOPS
+
+    from {{ cookiecutter.package_name }}.throughput import peak_flops
+
+    assert peak_flops("NVIDIA H200", "bf16") == 989.5e12
+    assert peak_flops("NVIDIA H200 NVL", "bf16") == 835.5e12
+    assert "nvidia h200" not in _CUDA_FLOPS and _CUDA_FLOPS["h200 sxm1"][torch.bfloat16] == 2 * 1e15  # sparse
+
+
+def test_peak_flops_tells_h100_variants_apart_and_knows_no_others():
+    """The SXM (HBM3) and PCIe H100s have different peaks; no guess for devices or dtypes not in the table."""
+    from {{ cookiecutter.package_name }}.throughput import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("cpu", "bf16") is None
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "int4") is None
+
+
+def test_compute_dtype_follows_precision_and_the_tf32_setting(monkeypatch):
+    """bf16-mixed -> bf16; 32-true -> fp32 at torch's default matmul precision, tf32 when it is lowered."""
+    from {{ cookiecutter.package_name }}.throughput import compute_dtype, device_peak_flops
+
+    assert compute_dtype("bf16-mixed") == "bf16" and compute_dtype("16-mixed") == "fp16"
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert compute_dtype("32-true") == "fp32"
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert compute_dtype("32-true") == "tf32"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert device_peak_flops(torch.device("cuda", 0), "bf16-mixed") == 989.5e12
+    assert device_peak_flops(torch.device("cpu"), "bf16-mixed") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="MFU on a real GPU needs CUDA")
+def test_monitor_reports_mfu_on_this_gpu(tmp_path):
+    """On a GPU the table knows, MFU is logged and lies in (0, 1)."""
+    from {{ cookiecutter.package_name }}.throughput import device_peak_flops
+
+    if device_peak_flops(torch.device("cuda", 0), "32-true") is None:
+        pytest.skip(f"no peak FLOPs known for {torch.cuda.get_device_name(0)}")
+    rows = fit_with_monitor(tmp_path, "gpu")
+    assert rows and all(0 < float(row["train/device/mfu"]) < 1 for row in rows)

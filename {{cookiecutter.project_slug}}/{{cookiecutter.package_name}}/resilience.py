@@ -80,7 +80,9 @@ class GracefulStop(Callback):
         self.signum = 0
         self._previous: dict[int, Any] = {}
         self._batches = 0  # training batches ended in this fit: the same count on every rank
-        self._pending: tuple | None = None  # the all-reduce started one batch ago: (work, flag, host copy, event)
+        self._pending: tuple | None = None  # the all-reduce started one batch ago, and its copy's CUDA event
+        self._flag: torch.Tensor | None = None  # the number the ranks all-reduce, on this rank's device
+        self._host: torch.Tensor | None = None  # its host copy (pinned memory on GPUs)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.received_sigterm:  # Lightning's handler (active until now) got one during set-up
@@ -138,24 +140,27 @@ class GracefulStop(Callback):
         with `start`, starts the next exchange."""
         agreed = 0
         if self._pending is not None:
-            work, flag, host, event = self._pending
+            work, event = self._pending
             self._pending = None
             work.wait()  # gloo: done long ago; NCCL: only orders the device stream
             if event is not None:
                 event.synchronize()  # the host copy of that result, queued a whole step before this one
-            agreed = int(host)
+            agreed = int(self._host)
         if agreed or not start:
             return agreed
-        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
-        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        host, event = flag, None
+        if self._flag is None or self._flag.device != device:
+            # Made once: building a GPU tensor from a Python number would wait for the GPU every time.
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else self._flag
+        self._flag.fill_(self.signum)  # on a GPU a queued kernel, not a copy from the host
+        work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        event = None
         if device.type == "cuda":
             work.wait()
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
+            self._host.copy_(self._flag, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        self._pending = (work, flag, host, event)
+        self._pending = (work, event)
         return 0
 
 
