@@ -68,9 +68,9 @@ class GracefulStop(Callback):
 
     Args:
         check_every_n_steps: Training batches between the ranks' exchanges. Each
-            cost ~0.8 ms on 2 CPU processes (gloo wakes a thread on every rank),
-            much less with NCCL; lower it when steps are long and the scheduler's
-            grace period is short.
+            cost ~0.8 ms on 2 CPU processes (gloo wakes a thread on every rank;
+            not measured with NCCL); lower it when steps are long and the
+            scheduler's grace period is short.
     """
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
