@@ -16,9 +16,9 @@ import sys
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, random_split
+from torch.utils.data import DataLoader
 
-from raw_ddp import SameOrderSampler, load_digits, parse_args  # benchmarks/ is the script's directory
+from raw_ddp import SameOrderSampler, baked_module, parser, template_split  # benchmarks/ is on sys.path
 from steptimer import StepTimer
 
 
@@ -56,22 +56,16 @@ class Bare(L.LightningModule):
 
 
 def main() -> None:
-    argv = sys.argv  # Lightning's launcher starts the other ranks with this command line: keep it whole
-    sys.argv, devices = strip_devices(argv)
-    args = parse_args()
-    sys.argv = argv
+    p = parser(__doc__)
+    p.add_argument("--devices", type=int, default=1, help="processes; Lightning's launcher starts the others")
+    args = p.parse_args()
     os.environ.setdefault("BENCH_TIMES", str(args.out))  # where StepTimer writes (the ranks inherit it)
     L.seed_everything(args.seed, verbose=False)  # before the model: the raw loop's initial weights
-    sys.path.insert(0, str(args.project))
-    (csv_path,) = args.project.glob("*/digits.csv.gz")
-    model_module = __import__(f"{csv_path.parent.name}.model", fromlist=["MLP"])
-    module = Bare(model_module.MLP(64, args.hidden_dim, args.num_layers, 10), args)
-    full = load_digits(csv_path)
-    split = [len(full) - 718, 359, 359]
-    module.train_set, module.val_set, _ = random_split(full, split, generator=torch.Generator().manual_seed(0))
+    module = Bare(baked_module(args.project, "model").MLP(64, args.hidden_dim, args.num_layers, 10), args)
+    module.train_set, module.val_set = template_split(args.project)
     trainer = L.Trainer(
         accelerator=args.accelerator,
-        devices=devices,
+        devices=args.devices,
         strategy="ddp",
         precision=args.precision,
         max_epochs=args.epochs,
@@ -90,16 +84,6 @@ def main() -> None:
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
-
-
-def strip_devices(argv: list[str]) -> tuple[list[str], int]:
-    """Take `--devices N` out of argv (raw_ddp's parser does not know it); 1 if absent."""
-    for i, arg in enumerate(argv):
-        if arg.startswith("--devices"):
-            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
-            rest = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
-            return rest, int(value)
-    return argv, 1
 
 
 if __name__ == "__main__":

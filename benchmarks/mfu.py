@@ -7,6 +7,7 @@ plain "NVIDIA H200" and counts H200s with sparsity.
 
 import itertools
 
+
 def mlp_train_flops(batch: int, in_features: int, hidden_dim: int, num_layers: int, num_classes: int) -> float:
     """FLOPs of one training step of the template's MLP, counting only the matrix multiplies.
 

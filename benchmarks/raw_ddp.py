@@ -16,6 +16,7 @@ loop does. Lightning is not imported.
 import argparse
 import csv
 import gzip
+import importlib
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Sampler, TensorDataset, random_split
+from torch.utils.data import DataLoader, Sampler, Subset, TensorDataset, random_split
 
 
 class SameOrderSampler(Sampler[int]):
@@ -63,8 +64,29 @@ def load_digits(path: Path) -> TensorDataset:
     return TensorDataset(table[:, :-1].float() / 16.0, table[:, -1].long())
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def template_split(project: Path) -> tuple[Subset, Subset]:
+    """The template's train and validation sets: 359 validation and 359 test samples drawn with seed 0."""
+    full = load_digits(digits_csv(project))
+    train_set, val_set, _ = random_split(full, [len(full) - 718, 359, 359], generator=torch.Generator().manual_seed(0))
+    return train_set, val_set
+
+
+def digits_csv(project: Path) -> Path:
+    """The baked project's bundled data file; its folder is the project's package."""
+    (csv_path,) = project.glob("*/digits.csv.gz")
+    return csv_path
+
+
+def baked_module(project: Path, name: str):
+    """A module of the baked project's package, e.g. its `model` (the code the project itself runs)."""
+    if str(project) not in sys.path:
+        sys.path.insert(0, str(project))
+    return importlib.import_module(f"{digits_csv(project).parent.name}.{name}")
+
+
+def parser(doc: str | None = __doc__) -> argparse.ArgumentParser:
+    """The arguments of this loop; `bare_lightning.py` adds its own to the same set."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--project", type=Path, required=True, help="a baked project directory")
     p.add_argument("--out", type=Path, required=True, help="JSON file for rank 0's timings")
     p.add_argument("--weights", type=Path, help="where rank 0 saves the final MLP state_dict")
@@ -79,11 +101,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="all-reduce the step loss every N steps")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
-    return p.parse_args()
+    return p
 
 
 def main() -> None:
-    args = parse_args()
+    args = parser().parse_args()
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     gpu = args.accelerator == "gpu"
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
@@ -94,17 +116,12 @@ def main() -> None:
     # The template's seed_everything(42) runs before the model is built: the same initial weights.
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    sys.path.insert(0, str(args.project))
-    (csv_path,) = args.project.glob("*/digits.csv.gz")
-    model_module = __import__(f"{csv_path.parent.name}.model", fromlist=["MLP"])
-    model = model_module.MLP(64, args.hidden_dim, args.num_layers, 10).to(device)
+    model = baked_module(args.project, "model").MLP(64, args.hidden_dim, args.num_layers, 10).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if gpu else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
 
-    # The template's split: 359 validation and 359 test samples drawn with seed 0.
-    full = load_digits(csv_path)
-    train_set, val_set, _ = random_split(full, [len(full) - 718, 359, 359], generator=torch.Generator().manual_seed(0))
+    train_set, val_set = template_split(args.project)
     sampler = SameOrderSampler(len(train_set), args.global_batch_size, world, rank, args.seed)
     train_loader = DataLoader(train_set, batch_size=sampler.batch_size, sampler=sampler, pin_memory=gpu)
     # Every validation sample on exactly one rank; sums are reduced over ranks, so no sample counts twice.

@@ -15,7 +15,6 @@ what each figure means.
 
 import argparse
 import contextlib
-import importlib
 import itertools
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from mfu import mfu, mlp_train_flops  # benchmarks/ is on sys.path as the script's directory
+from raw_ddp import baked_module
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -120,17 +120,22 @@ def run_env(procs: int, args) -> dict:
     return env
 
 
-def run_raw(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
-    """One `torchrun raw_ddp.py` run; its figures, and its final weights in run_dir/raw.pt."""
+def loop_flags(project: Path, name: str, args, extra: dict) -> list[str]:
+    """The command-line flags of `raw_ddp.py` (and `bare_lightning.py`, which takes the same) for a config."""
     hidden, layers, epochs = CONFIGS[name]
     flags = {
-        "project": project, "out": run_dir / "raw.json", "weights": run_dir / "raw.pt",
-        "ckpt-dir": run_dir / "raw_ckpt", "hidden-dim": hidden, "num-layers": layers,
-        "global-batch-size": GLOBAL_BATCH, "epochs": args.epochs or epochs,
-        "accelerator": args.accelerator, "precision": args.precision,
+        "project": project, "hidden-dim": hidden, "num-layers": layers, "global-batch-size": GLOBAL_BATCH,
+        "epochs": args.epochs or epochs, "accelerator": args.accelerator, "precision": args.precision, **extra,
     }  # fmt: skip
+    return [f"--{k}={v}" for k, v in flags.items()]
+
+
+def run_raw(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
+    """One `torchrun raw_ddp.py` run; its figures, and its final weights in run_dir/raw.pt."""
+    outputs = {"out": run_dir / "raw.json", "weights": run_dir / "raw.pt", "ckpt-dir": run_dir / "raw_ckpt"}
+    flags = loop_flags(project, name, args, outputs)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
-           str(HERE / "raw_ddp.py"), *(f"--{k}={v}" for k, v in flags.items())]  # fmt: skip
+           str(HERE / "raw_ddp.py"), *flags]  # fmt: skip
     launch, _ = run(cmd, run_dir, run_env(procs, args), args.timeout)
     return step_stats(json.loads((run_dir / "raw.json").read_text()), launch, time.time())
 
@@ -157,13 +162,8 @@ def run_template(project: Path, run_dir: Path, name: str, procs: int, args, extr
 
 def run_bare(project: Path, run_dir: Path, name: str, procs: int, args) -> dict:
     """One `bare_lightning.py` run (Lightning's launcher): the raw loop's training in a bare Trainer."""
-    hidden, layers, epochs = CONFIGS[name]
-    flags = {
-        "project": project, "out": run_dir / "bare.json", "hidden-dim": hidden, "num-layers": layers,
-        "global-batch-size": GLOBAL_BATCH, "epochs": args.epochs or epochs, "devices": procs,
-        "accelerator": args.accelerator, "precision": args.precision,
-    }  # fmt: skip
-    cmd = [sys.executable, str(HERE / "bare_lightning.py"), *(f"--{k}={v}" for k, v in flags.items())]
+    flags = loop_flags(project, name, args, {"out": run_dir / "bare.json", "devices": procs})
+    cmd = [sys.executable, str(HERE / "bare_lightning.py"), *flags]
     env = {**run_env(procs, args), "BENCH_TIMES": str(run_dir / "bare.json")}
     launch, _ = run(cmd, run_dir, env, args.timeout)
     return step_stats(json.loads((run_dir / "bare.json").read_text()), launch, time.time())
@@ -182,22 +182,11 @@ def bench_pair(project: Path, work: Path, name: str, procs: int, repeat: int, ar
         "template": template,
         "weight_diff": max_weight_diff(run_dir / "template.json.weights.pt", run_dir / "raw.pt"),
         "bare_weight_diff": max_weight_diff(run_dir / "bare.json.weights.pt", run_dir / "raw.pt"),
-        "ratio": template["step_ms"] / raw["step_ms"],
-        "bare_ratio": bare["step_ms"] / raw["step_ms"],
-        "template_vs_bare": template["step_ms"] / bare["step_ms"],
     }
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def baked_module(project: Path, name: str):
-    """A module of the baked project's package, e.g. its `throughput` (the code the project itself runs)."""
-    (csv_path,) = project.glob("*/digits.csv.gz")
-    if str(project) not in sys.path:
-        sys.path.insert(0, str(project))
-    return importlib.import_module(f"{csv_path.parent.name}.{name}")
 
 
 def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> dict:
@@ -206,13 +195,16 @@ def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> 
         for key in ("step_ms", "p10_step_ms", "cpu_ms", "mean_step_ms", "boundary_ms", "first_step_s", "wall_s"):
             values = [p[side][key] for p in pairs if p[side][key] is not None]
             row[f"{side}_{key}"] = spread(values) if values else None
-    row["ratio"] = spread([p["ratio"] for p in pairs])  # per A/B pair, so shared noise cancels
-    row["overhead_ms"] = spread([p["template"]["step_ms"] - p["raw"]["step_ms"] for p in pairs])
+
+    def per_round(a: str, b: str) -> tuple[dict, dict]:
+        """Ratio and difference of a's and b's step time, per round (back to back: shared noise cancels)."""
+        steps = [(p[a]["step_ms"], p[b]["step_ms"]) for p in pairs]
+        return spread([x / y for x, y in steps]), spread([x - y for x, y in steps])
+
+    row["ratio"], row["overhead_ms"] = per_round("template", "raw")
     # Split of the overhead: Lightning's own loop (bare Trainer vs raw) and the template's (template vs bare).
-    row["bare_ratio"] = spread([p["bare_ratio"] for p in pairs])
-    row["bare_overhead_ms"] = spread([p["bare"]["step_ms"] - p["raw"]["step_ms"] for p in pairs])
-    row["template_vs_bare"] = spread([p["template_vs_bare"] for p in pairs])
-    row["template_over_bare_ms"] = spread([p["template"]["step_ms"] - p["bare"]["step_ms"] for p in pairs])
+    row["bare_ratio"], row["bare_overhead_ms"] = per_round("bare", "raw")
+    row["template_vs_bare"], row["template_over_bare_ms"] = per_round("template", "bare")
     row["cpu_ratio"] = spread([p["template"]["cpu_ms"] / p["raw"]["cpu_ms"] for p in pairs])
     row["weight_diff"] = max(p["weight_diff"] for p in pairs)
     row["bare_weight_diff"] = max(p["bare_weight_diff"] for p in pairs)
