@@ -100,30 +100,27 @@ class Result:
     output: str
 
 
-def session_pids(sid: int) -> list[int]:
-    """Processes still alive in session `sid` (the job was started as its leader)."""
-    pids = []
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, session id) of every process, from /proc/<pid>/stat."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid and "Z" not in (entry / "stat").read_text().split(")")[1][:3]:
-                    pids.append(int(entry.name))
+            try:  # the fields after the command name, which is in parentheses and may hold any character
+                state, ppid, _, sid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
             except (ProcessLookupError, PermissionError, FileNotFoundError):
-                pass
-    return pids
+                continue  # gone meanwhile
+            found.append((int(entry.name), state, int(ppid), int(sid)))
+    return found
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes still alive (not zombies) in session `sid` (the job was started as its leader)."""
+    return [pid for pid, state, _, session in processes() if session == sid and state != "Z"]
 
 
 def child_pids(pid: int) -> list[int]:
     """The processes `pid` started (Lightning's launcher: the other ranks)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().split(")")[1].split()[1]) == pid:
-                    children.append(int(entry.name))
-            except (ProcessLookupError, FileNotFoundError):
-                pass
-    return sorted(children)
+    return sorted(child for child, _, parent, _ in processes() if parent == pid)
 
 
 def checkpoint_ok(path: Path) -> bool:

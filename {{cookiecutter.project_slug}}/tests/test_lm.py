@@ -1,16 +1,22 @@
 """The language-model example: it learns, and its FLOP count (for throughput and MFU) is right."""
 
+import csv
 import itertools
 import math
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import PROJECT, run_ok
+from lightning.fabric.utilities.throughput import _CUDA_FLOPS
+from lightning.pytorch.loggers import CSVLogger
 
+from {{ cookiecutter.package_name }} import throughput
 from {{ cookiecutter.package_name }}.lm import VOCAB_SIZE, LanguageModel
-from {{ cookiecutter.package_name }}.text import TextDataModule
+from {{ cookiecutter.package_name }}.text import TextDataModule, sequences_in, tokens_in
+from {{ cookiecutter.package_name }}.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
 
 TINY = dict(n_layers=2, d_model=64, n_heads=4, block_size=64)
 
@@ -77,14 +83,6 @@ def test_lm_trains_sharded_from_the_presets(tmp_path):
 
 def fit_with_monitor(tmp_path, accelerator: str) -> list[dict]:
     """A tiny LM fit for 20 steps with the MFU monitor and a CSV logger; the logged rows."""
-    import csv
-
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
-
-    from {{ cookiecutter.package_name }}.text import sequences_in, tokens_in
-    from {{ cookiecutter.package_name }}.throughput import MFUThroughputMonitor
-
     L.seed_everything(0)
     monitor = MFUThroughputMonitor(batch_size_fn=sequences_in, length_fn=tokens_in, window_size=5)
     trainer = L.Trainer(
@@ -99,8 +97,6 @@ def fit_with_monitor(tmp_path, accelerator: str) -> list[dict]:
 
 def test_monitor_reports_mfu_against_the_dense_peak(tmp_path, monkeypatch):
     """MFU = FLOP/s per device / the table's dense peak; the CPU stands in for a GPU the table knows."""
-    from {{ cookiecutter.package_name }} import throughput
-
     monkeypatch.setattr(throughput, "device_peak_flops", lambda device, precision: 1e12)
     rows = fit_with_monitor(tmp_path, "cpu")
     assert len(rows) >= 2
@@ -110,10 +106,6 @@ def test_monitor_reports_mfu_against_the_dense_peak(tmp_path, monkeypatch):
 
 def test_peak_flops_recognises_a_plain_h200():
     """'NVIDIA H200' (the SXM part) gets the dense bf16 peak; Lightning 2.6's lookup returns nothing for it."""
-    from lightning.fabric.utilities.throughput import _CUDA_FLOPS
-
-    from {{ cookiecutter.package_name }}.throughput import peak_flops
-
     assert peak_flops("NVIDIA H200", "bf16") == 989.5e12
     assert peak_flops("NVIDIA H200 NVL", "bf16") == 835.5e12
     assert "nvidia h200" not in _CUDA_FLOPS and _CUDA_FLOPS["h200 sxm1"][torch.bfloat16] == 2 * 1e15  # sparse
@@ -121,8 +113,6 @@ def test_peak_flops_recognises_a_plain_h200():
 
 def test_peak_flops_tells_h100_variants_apart_and_knows_no_others():
     """The SXM (HBM3) and PCIe H100s have different peaks; no guess for devices or dtypes not in the table."""
-    from {{ cookiecutter.package_name }}.throughput import peak_flops
-
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
     assert peak_flops("cpu", "bf16") is None
@@ -131,8 +121,6 @@ def test_peak_flops_tells_h100_variants_apart_and_knows_no_others():
 
 def test_compute_dtype_follows_precision_and_the_tf32_setting(monkeypatch):
     """bf16-mixed -> bf16; 32-true -> fp32 at torch's default matmul precision, tf32 when it is lowered."""
-    from {{ cookiecutter.package_name }}.throughput import compute_dtype, device_peak_flops
-
     assert compute_dtype("bf16-mixed") == "bf16" and compute_dtype("16-mixed") == "fp16"
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
     assert compute_dtype("32-true") == "fp32"
@@ -146,8 +134,6 @@ def test_compute_dtype_follows_precision_and_the_tf32_setting(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="MFU on a real GPU needs CUDA")
 def test_monitor_reports_mfu_on_this_gpu(tmp_path):
     """On a GPU the table knows, MFU is logged and lies in (0, 1)."""
-    from {{ cookiecutter.package_name }}.throughput import device_peak_flops
-
     if device_peak_flops(torch.device("cuda", 0), "32-true") is None:
         pytest.skip(f"no peak FLOPs known for {torch.cuda.get_device_name(0)}")
     rows = fit_with_monitor(tmp_path, "gpu")
