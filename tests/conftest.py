@@ -1,5 +1,8 @@
 """Bake the template into temporary directories."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,3 +20,16 @@ def bake(out_dir: Path, **context: str) -> Path:
 def default_project(tmp_path_factory) -> Path:
     """The project baked with every default, shared by the tests that only read it."""
     return bake(tmp_path_factory.mktemp("default"))
+
+
+def fresh_env(venv: Path) -> dict[str, str]:
+    """A new, empty virtual environment at `venv`, and the environment variables that put it first on PATH.
+
+    Nothing from the environment running the tests leaks in (no PYTHONPATH, no system site packages):
+    a baked project's commands run with exactly what its own install steps put there.
+    """
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
