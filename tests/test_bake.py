@@ -130,11 +130,15 @@ def test_generated_project_passes_ruff(default_project):
 
 
 def test_pyproject_declares_dependencies(default_project):
-    """pyproject.toml is PEP 621 with the five runtime packages and a dev extra."""
+    """pyproject.toml pins the five runtime packages and the dev tools to the versions CI tests."""
     meta = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
-    names = {d.split(">")[0].split("[")[0] for d in meta["dependencies"]}
-    assert names == {"torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse"}
-    assert {d.split(">")[0] for d in meta["optional-dependencies"]["dev"]} == {"pytest", "ruff"}
+    pins = dict(d.split("==") for d in meta["dependencies"] + meta["optional-dependencies"]["dev"])
+    assert set(pins) == {
+        "torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse[signatures]", "pytest", "ruff", "matplotlib"
+    }  # fmt: skip
+    # Exactly the versions the template's own requirements.txt (its CI) installs.
+    tested = dict(line.split("==") for line in (TEMPLATE / "requirements.txt").read_text().splitlines() if "==" in line)
+    assert {name: pins[name] for name in tested.keys() & pins.keys()} == {n: tested[n] for n in tested.keys() & pins.keys()}
 
 
 BAD_NAMES = [
