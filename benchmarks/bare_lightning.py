@@ -61,7 +61,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("BENCH_TIMES", str(args.out))  # where StepTimer writes (the ranks inherit it)
     L.seed_everything(args.seed, verbose=False)  # before the model: the raw loop's initial weights
-    module = Bare(baked_module(args.project, "model").MLP(64, args.hidden_dim, args.num_layers, 10), args)
+    module = Bare(baked_module(args.project, "digits.model").MLP(64, args.hidden_dim, args.num_layers, 10), args)
     module.train_set, module.val_set = template_split(args.project)
     trainer = L.Trainer(
         accelerator=args.accelerator,

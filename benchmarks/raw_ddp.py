@@ -72,16 +72,16 @@ def template_split(project: Path) -> tuple[Subset, Subset]:
 
 
 def digits_csv(project: Path) -> Path:
-    """The baked project's bundled data file; its folder is the project's package."""
-    (csv_path,) = project.glob("*/digits.csv.gz")
+    """The baked project's bundled data file, in the digits example's folder of the project's package."""
+    (csv_path,) = project.glob("*/digits/digits.csv.gz")
     return csv_path
 
 
 def baked_module(project: Path, name: str):
-    """A module of the baked project's package, e.g. its `model` (the code the project itself runs)."""
+    """A module of the baked project's package, e.g. `digits.model` (the code the project itself runs)."""
     if str(project) not in sys.path:
         sys.path.insert(0, str(project))
-    return importlib.import_module(f"{digits_csv(project).parent.name}.{name}")
+    return importlib.import_module(f"{digits_csv(project).parent.parent.name}.{name}")
 
 
 def parser(doc: str | None = __doc__) -> argparse.ArgumentParser:
@@ -116,7 +116,7 @@ def main() -> None:
     # The template's seed_everything(42) runs before the model is built: the same initial weights.
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    model = baked_module(args.project, "model").MLP(64, args.hidden_dim, args.num_layers, 10).to(device)
+    model = baked_module(args.project, "digits.model").MLP(64, args.hidden_dim, args.num_layers, 10).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if gpu else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()

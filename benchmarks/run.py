@@ -213,7 +213,7 @@ def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> 
         hidden, layers, _ = CONFIGS[name]
         # 32-true: neither side enables TF32 matmuls (torch defaults to "highest"), so the plain FP32 peak.
         dtype = "bf16" if args.precision.startswith("bf16") else "fp32"
-        peak = baked_module(project, "throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
+        peak = baked_module(project, "ddp.throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
         flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
         for side in ("raw", "bare", "template"):
             # The mean, not the median: on a GPU the host runs ahead of the device between syncs.

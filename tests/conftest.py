@@ -22,6 +22,12 @@ def default_project(tmp_path_factory) -> Path:
     return bake(tmp_path_factory.mktemp("default"))
 
 
+@pytest.fixture(scope="session")
+def lm_project(tmp_path_factory) -> Path:
+    """The project baked with the language-model example too."""
+    return bake(tmp_path_factory.mktemp("lm"), lm_example="yes")
+
+
 def fresh_env(venv: Path) -> dict[str, str]:
     """A new, empty virtual environment at `venv`, and the environment variables that put it first on PATH.
 

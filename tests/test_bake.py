@@ -20,8 +20,6 @@ COMMON = {
     "cluster/slurm.sbatch",
     "cluster/torchrun.sh",
     "config.yaml",
-    "configs/fsdp.yaml",
-    "configs/lm.yaml",
     "configs/model_parallel.yaml",
     "docs/scaling-2cpu.png",
     "faults.py",
@@ -29,41 +27,62 @@ COMMON = {
     "pyproject.toml",
     "scaling.py",
     "ddp_digits/__init__.py",
-    "ddp_digits/cli.py",
-    "ddp_digits/data.py",
-    "ddp_digits/digits.csv.gz",
-    "ddp_digits/ecclesiastes.txt",
-    "ddp_digits/gpt.py",
-    "ddp_digits/lm.py",
-    "ddp_digits/doctor.py",
-    "ddp_digits/model.py",
-    "ddp_digits/module.py",
-    "ddp_digits/parity.py",
-    "ddp_digits/requeue.py",
-    "ddp_digits/sampling.py",
-    "ddp_digits/sharding.py",
-    "ddp_digits/text.py",
-    "ddp_digits/throughput.py",
-    "tests/fake_cluster.py",
+    "ddp_digits/digits/__init__.py",
+    "ddp_digits/digits/data.py",
+    "ddp_digits/digits/digits.csv.gz",
+    "ddp_digits/digits/model.py",
+    "ddp_digits/digits/module.py",
+    "ddp_digits/ddp/__init__.py",
+    "ddp_digits/ddp/checkpoints.py",
+    "ddp_digits/ddp/cli.py",
+    "ddp_digits/ddp/data.py",
+    "ddp_digits/ddp/diagnosis.py",
+    "ddp_digits/ddp/doctor.py",
+    "ddp_digits/ddp/lightning_internals.py",
+    "ddp_digits/ddp/parity.py",
+    "ddp_digits/ddp/processes.py",
+    "ddp_digits/ddp/requeue.py",
+    "ddp_digits/ddp/sampling.py",
+    "ddp_digits/ddp/sharding.py",
+    "ddp_digits/ddp/stop.py",
+    "ddp_digits/ddp/strategy.py",
+    "ddp_digits/ddp/throughput.py",
+    "tests/conftest.py",
+    "tests/configured.py",
     "tests/doctor_cases.py",
     "tests/doctor_overhead.py",
-    "ddp_digits/resilience.py",
+    "tests/fake_cluster.py",
     "tests/faulty.py",
     "tests/helpers.py",
     "tests/parity_probe.py",
     "tests/rank_probe.py",
-    "tests/test_cli.py",
+    "tests/toy.py",
+    "tests/toy.yaml",
     "tests/test_bad_input.py",
-    "tests/test_data.py",
-    "tests/test_lm.py",
+    "tests/test_cli.py",
     "tests/test_doctor.py",
-    "tests/test_module.py",
-    "tests/test_parity.py",
-    "tests/test_multinode.py",
     "tests/test_faults.py",
+    "tests/test_lightning_internals.py",
+    "tests/test_multinode.py",
+    "tests/test_parity.py",
     "tests/test_resume.py",
     "tests/test_sampling.py",
     "tests/test_sharded.py",
+    "tests/examples/digits.yaml",
+    "tests/examples/test_digits_cli.py",
+    "tests/examples/test_digits_data.py",
+    "tests/examples/test_digits_module.py",
+}
+LM_EXAMPLE = {
+    "configs/lm.yaml",
+    "configs/fsdp.yaml",
+    "ddp_digits/lm/__init__.py",
+    "ddp_digits/lm/data.py",
+    "ddp_digits/lm/ecclesiastes.txt",
+    "ddp_digits/lm/gpt.py",
+    "ddp_digits/lm/module.py",
+    "tests/examples/test_lm.py",
+    "tests/examples/test_lm_sharded.py",
 }
 WORKFLOW = ".github/workflows/tests.yml"
 
@@ -87,9 +106,15 @@ def run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> s
 
 
 def test_default_bake_writes_exactly_the_expected_files(default_project):
-    """Defaults give the slug directory with the package, tests, data and CI workflow."""
+    """Defaults give the slug directory with the package, tests, data and CI workflow, and no LM example."""
     assert default_project.name == "ddp-digits"
     assert files(default_project) == COMMON | {WORKFLOW}
+
+
+def test_lm_example_is_baked_only_when_asked(lm_project):
+    """lm_example=yes adds the language model, its data, presets and tests, and nothing else."""
+    assert files(lm_project) == COMMON | LM_EXAMPLE | {WORKFLOW}
+    assert "## A second example: a small language model" in (lm_project / "README.md").read_text()
 
 
 def test_without_github_actions_the_workflow_is_removed(tmp_path):
@@ -103,9 +128,9 @@ def test_custom_names_reach_paths_and_imports(tmp_path):
     """A custom slug and package name rename the directory, the package and its imports."""
     project = bake(tmp_path, project_name="Fancy Net", package_name="fancy")
     assert project.name == "fancy-net"
-    assert (project / "fancy" / "module.py").is_file()
-    assert "class_path: fancy.module.DigitsClassifier" in (project / "config.yaml").read_text()
-    assert "from fancy.sampling import" in (project / "tests/test_sampling.py").read_text()
+    assert (project / "fancy" / "digits" / "module.py").is_file()
+    assert "class_path: fancy.digits.module.DigitsClassifier" in (project / "config.yaml").read_text()
+    assert "from fancy.ddp.sampling import" in (project / "tests/test_sampling.py").read_text()
 
 
 def test_no_template_syntax_left(default_project):
@@ -192,7 +217,7 @@ def test_cookiecutter_command_line_no_input(tmp_path):
         timeout=60,
     )
     assert result.returncode == 0, result.stdout
-    assert (tmp_path / "cli-made" / "cli_made" / "module.py").is_file()
+    assert (tmp_path / "cli-made" / "cli_made" / "digits" / "module.py").is_file()
 
 
 def workflow_steps(project: Path) -> list[str]:
@@ -219,13 +244,14 @@ def test_ci_runs_the_readme_test_command():
     assert ci.index("python3 -m venv") < ci.index("source") < ci.index(command)
 
 
-def test_workflow_steps_pass_in_a_fresh_environment(default_project, tmp_path):
-    """The baked workflow's steps, as written, pass in a new virtual environment: install, ruff, the suite.
+def test_workflow_steps_pass_in_a_fresh_environment(lm_project, tmp_path):
+    """The baked workflow's steps, as written, pass in a new virtual environment: install, ruff, the suite
+    (of a project with the LM example, so its tests run too; the own-model test below runs one without).
 
     Only the torch step changes: this machine installs the same torch==2.13.0 CPU wheel from its own disk
     instead of downloading it. Everything else the suite needs must come from `pip install -e ".[dev]"`.
     """
-    project = Path(shutil.copytree(default_project, tmp_path / default_project.name))
+    project = Path(shutil.copytree(lm_project, tmp_path / lm_project.name))
     steps = workflow_steps(project)
     env = fresh_env(tmp_path / "venv")
     local_torch = steps[0].split(" --index-url")[0]  # the same pin, from this machine's own wheel
@@ -234,3 +260,129 @@ def test_workflow_steps_pass_in_a_fresh_environment(default_project, tmp_path):
         print(f"$ {step}\n{result.stdout[-3000:]}")
         assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
     assert steps[-1] == "pytest" and " passed" in result.stdout and " failed" not in result.stdout
+
+
+OWN_DATA = '''
+"""A data module written from scratch: noisy samples of a wave, as dict batches."""
+
+import math
+
+import torch
+from torch.utils.data import Dataset
+
+from my_project.ddp import GlobalBatchDataModule
+
+
+class Wave(Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.rand(n, 8, generator=g) * 2 * math.pi
+        self.y = torch.sin(self.x).sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class WaveData(GlobalBatchDataModule):
+    """Noisy sums of sines.
+
+    Args:
+        global_batch_size: Samples per optimizer step over all devices.
+        micro_batch_size: Samples per forward pass on one device.
+        num_workers: Loader workers per device.
+        n_train: Training samples.
+    """
+
+    def __init__(
+        self, global_batch_size: int = 32, micro_batch_size: int | None = None, num_workers: int = 0, n_train: int = 400
+    ) -> None:
+        super().__init__(global_batch_size, micro_batch_size, num_workers)
+        self.n_train = n_train
+
+    def train_dataset(self) -> Dataset:
+        return Wave(self.n_train, seed=0)
+
+    def val_dataset(self) -> Dataset:
+        return Wave(101, seed=1)
+
+    def test_dataset(self) -> Dataset:
+        return Wave(99, seed=2)
+'''
+
+OWN_MODEL = '''
+"""A LightningModule written from scratch: an MLP regressor with dropout, logging val_loss."""
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+
+class WaveRegressor(L.LightningModule):
+    """Regresses the wave.
+
+    Args:
+        width: Hidden width.
+        lr: Learning rate.
+    """
+
+    def __init__(self, width: int = 32, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Dropout(0.1), nn.Linear(width, 1))
+        self.val_mse, self.test_mse = MeanMetric(), MeanMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = F.mse_loss(self(batch["x"]), batch["y"])
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.val_mse.update(F.mse_loss(self(batch["x"]), batch["y"], reduction="none"))
+        self.log("val_loss", self.val_mse)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.test_mse.update(F.mse_loss(self(batch["x"]), batch["y"], reduction="none"))
+        self.log("test_loss", self.test_mse)
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self(batch["x"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+'''
+
+
+def point_config_at(project: Path, model: str, data: str, monitor: str, mode: str) -> None:
+    """Edit config.yaml as a user would: another model and data class, another monitored metric."""
+    config = (project / "config.yaml").read_text()
+    head = config[: config.index("\nmodel:")]
+    head = head.replace("monitor: val/acc", f"monitor: {monitor}").replace("mode: max", f"mode: {mode}")
+    (project / "config.yaml").write_text(f"{head}\nmodel:\n  class_path: {model}\n\ndata:\n  class_path: {data}\n")
+
+
+def test_own_model_and_data_keep_the_guarantees(tmp_path):
+    """A model and a data module written from scratch (dict batches, dropout, val_loss), config.yaml pointed at
+    them: the project's own suite, unedited, passes in a fresh environment with what the project declares."""
+    project = bake(tmp_path, project_name="My Project")
+    (project / "my_project" / "wave_data.py").write_text(OWN_DATA.lstrip())
+    (project / "my_project" / "wave_model.py").write_text(OWN_MODEL.lstrip())
+    point_config_at(
+        project, "my_project.wave_model.WaveRegressor", "my_project.wave_data.WaveData", "val_loss", "min"
+    )
+    env = fresh_env(tmp_path / "venv")
+    for step in ["pip install torch==2.13.0", 'pip install -e ".[dev]"', "python -m pytest -p no:cacheprovider"]:
+        result = run(["bash", "-c", step], project, timeout=1200, env=env)
+        print(f"$ {step}\n{result.stdout[-3000:]}")
+        assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
+    assert " passed" in result.stdout and " failed" not in result.stdout
+    # The guarantee tests ran on the user's classes: only GPU tests and sharding (no configure_model) skip.
+    skips = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skips and all(("GPU" in s or "CUDA" in s or "does not shard its layers" in s) for s in skips), skips

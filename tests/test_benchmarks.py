@@ -80,7 +80,7 @@ def test_markdown_table_is_printed(report):
 
 def test_gpu_peaks_come_from_the_baked_project(default_project):
     """run.py takes MFU peaks from the project's throughput.py, which knows a plain 'NVIDIA H200'."""
-    throughput = run_module.baked_module(default_project, "throughput")
+    throughput = run_module.baked_module(default_project, "ddp.throughput")
     assert throughput.peak_flops("NVIDIA H200", "bf16") == 989.5e12
     assert throughput.__file__.startswith(str(default_project))
 

@@ -30,7 +30,7 @@ PROJECT = Path(__file__).resolve().parent
 EVERY_STEP = """
 trainer:
   callbacks:
-    - class_path: {{ cookiecutter.package_name }}.resilience.CurrentModelCheckpoint
+    - class_path: {{ cookiecutter.package_name }}.ddp.checkpoints.CurrentModelCheckpoint
       init_args:
         dirpath: DIRPATH
         every_n_train_steps: 1
@@ -147,7 +147,9 @@ def run_scenario(
     args += ["--trainer.devices", str(sc.devices), "--trainer.default_root_dir", str(workdir)]
     args += ["--trainer.max_steps", str(max_steps), "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.logger", "false"]
-    args += ["--dist_timeout", str(dist_timeout), "--model", "faulty.FaultyClassifier", "--model.marker", str(marker)]
+    # The tests' own model and data (tests/toy.yaml), whatever config.yaml selects: faults are the machinery's.
+    args += ["--config", str(PROJECT / "tests" / "toy.yaml"), "--dist_timeout", str(dist_timeout)]
+    args += ["--model", "faulty.FaultyClassifier", "--model.marker", str(marker)]
     args += list(sc.model)
     if sc.every_step:
         (workdir / "every_step.yaml").write_text(EVERY_STEP.replace("DIRPATH", str(workdir / "checkpoints")))

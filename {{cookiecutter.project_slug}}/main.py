@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lightning as L
 
-from {{ cookiecutter.package_name }}.cli import CLI
+from {{ cookiecutter.package_name }}.ddp.cli import CLI
 
 DEFAULT_CONFIG = str(Path(__file__).with_name("config.yaml"))
 # Lightning's progress bar when `rich` is not installed (TQDM) redraws after every step: ~0.4 ms
@@ -19,17 +19,18 @@ DEFAULT_CONFIG = str(Path(__file__).with_name("config.yaml"))
 os.environ.setdefault("TQDM_MINITERS", "10")
 
 
-def main(args: list[str] | None = None) -> None:
-    CLI(  # LightningCLI plus checks before anything starts, and fault handling (see cli.py)
+def main(args: list[str] | None = None, run: bool = True) -> CLI:
+    """Parse `args` (else sys.argv) and run the subcommand; with `run=False` only build model, data and trainer."""
+    parser_kwargs = {"default_config_files": [DEFAULT_CONFIG]}
+    return CLI(  # LightningCLI plus checks before anything starts, and fault handling (see ddp/cli.py)
         L.LightningModule,
         L.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={
-            cmd: {"default_config_files": [DEFAULT_CONFIG]} for cmd in ("fit", "validate", "test", "predict")
-        },
+        parser_kwargs={cmd: parser_kwargs for cmd in ("fit", "validate", "test", "predict")} if run else parser_kwargs,
         # A requeued SLURM job logs to the same version_<job id> directory; let it rewrite the saved config.
         save_config_kwargs={"overwrite": True},
+        run=run,
         args=args,
     )
 

@@ -1,15 +1,13 @@
 """Runs with a known cause of poor scaling, for the doctor's tests: select them with --model / --data.
 
-Each class adds exactly one cause to the project's own module or data; `tests/` must be on PYTHONPATH.
+Each class adds exactly one cause to the tests' own module or data (toy.py); `tests/` must be on PYTHONPATH.
 """
 
 import time
 
 import torch
 from torch.utils.data import ConcatDataset, Dataset
-
-from {{ cookiecutter.package_name }}.data import DigitsDataModule
-from {{ cookiecutter.package_name }}.module import DigitsClassifier
+from toy import ToyClassifier, ToyData
 
 
 class _Sleepy(Dataset):
@@ -26,8 +24,8 @@ class _Sleepy(Dataset):
         return self.dataset[index]
 
 
-class SlowData(DigitsDataModule):
-    """The digits with `sample_delay_ms` of loading time per training sample (data-bound).
+class SlowData(ToyData):
+    """The blobs with `sample_delay_ms` of loading time per training sample (data-bound).
 
     Args:
         sample_delay_ms: Sleep per training sample, in the loading process.
@@ -38,13 +36,12 @@ class SlowData(DigitsDataModule):
         super().__init__(global_batch_size=global_batch_size)
         self.sample_delay_ms = sample_delay_ms
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.train_set = _Sleepy(self.train_set, self.sample_delay_ms / 1000)
+    def train_dataset(self) -> Dataset:
+        return _Sleepy(super().train_dataset(), self.sample_delay_ms / 1000)
 
 
-class ManyDigits(DigitsDataModule):
-    """The training digits repeated, so that large global batches still give many steps per epoch.
+class ManyBlobs(ToyData):
+    """The training blobs repeated, so that large global batches still give many steps per epoch.
 
     Args:
         repeat: Copies of the training split.
@@ -55,14 +52,11 @@ class ManyDigits(DigitsDataModule):
         super().__init__(global_batch_size=global_batch_size)
         self.repeat = repeat
 
-    def train_sampler(self):
-        # Repeat before the parent's check that a global batch fits in the training set (setup calls this).
-        if not isinstance(self.train_set, ConcatDataset):
-            self.train_set = ConcatDataset([self.train_set] * self.repeat)
-        return super().train_sampler()
+    def train_dataset(self) -> Dataset:
+        return ConcatDataset([super().train_dataset()] * self.repeat)
 
 
-class WideModel(DigitsClassifier):
+class WideModel(ToyClassifier):
     """Millions of parameters, tiny batches, plain SGD: little compute per byte of gradient (comm-bound).
 
     Args:
@@ -77,7 +71,7 @@ class WideModel(DigitsClassifier):
         return torch.optim.SGD(self.parameters(), lr=0.01)  # one pass over the weights: cheap next to the all-reduce
 
 
-class MemoryHog(DigitsClassifier):
+class MemoryHog(ToyClassifier):
     """One rank keeps a large tensor alive for the whole fit (memory imbalance).
 
     Args:
@@ -95,7 +89,7 @@ class MemoryHog(DigitsClassifier):
             self.hog = torch.ones(self.hog_mb * 2**18, device=self.device)  # 2**18 float32 = 1 MB
 
 
-class Straggler(DigitsClassifier):
+class Straggler(ToyClassifier):
     """One rank sleeps in every training step, like a throttled device or a busy host (straggler).
 
     Args:
@@ -113,8 +107,8 @@ class Straggler(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
 
-class Balanced(DigitsClassifier):
-    """Enough compute per step that data, communication and overheads are small (healthy, with ManyDigits).
+class Balanced(ToyClassifier):
+    """Enough compute per step that data, communication and overheads are small (healthy, with ManyBlobs).
 
     1.1 M parameters x 1,024 samples per device (the sweep test's batch): ~7 GFLOP per step and rank
     against a 4.5 MB all-reduce, so the gloo all-reduce stays well under the 30% comm threshold.

@@ -22,11 +22,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: one thread, as on
 
 import lightning as L  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, for the package import
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # project, tests
 
-from {{ cookiecutter.package_name }}.data import DigitsDataModule  # noqa: E402
-from {{ cookiecutter.package_name }}.doctor import ScalingDoctor  # noqa: E402
-from {{ cookiecutter.package_name }}.module import DigitsClassifier  # noqa: E402
+from toy import ToyClassifier, ToyData  # noqa: E402
+
+from {{ cookiecutter.package_name }}.ddp.doctor import ScalingDoctor  # noqa: E402
 
 
 class StepClock(L.Callback):
@@ -75,7 +75,7 @@ def step_ms(doctor: bool, steps: int, global_batch_size: int) -> float:
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    trainer.fit(DigitsClassifier(), DigitsDataModule(global_batch_size=global_batch_size))
+    trainer.fit(ToyClassifier(), ToyData(global_batch_size=global_batch_size))
     return clock.median_step_ms()
 
 

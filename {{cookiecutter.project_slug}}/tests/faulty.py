@@ -1,6 +1,6 @@
 """A classifier that misbehaves on purpose, for the fault tests and `faults.py` (test-only).
 
-Selected with `--model faulty.FaultyClassifier` and `tests/` on PYTHONPATH.
+Selected with `--config tests/toy.yaml --model faulty.FaultyClassifier` and `tests/` on PYTHONPATH.
 """
 
 import os
@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 import torch
+from toy import ToyClassifier
 
-from {{ cookiecutter.package_name }}.module import DigitsClassifier
 
-
-class FaultyClassifier(DigitsClassifier):
-    """DigitsClassifier that fails on one rank at one step, or just trains slowly.
+class FaultyClassifier(ToyClassifier):
+    """ToyClassifier that fails on one rank at one step, or just trains slowly.
 
     Args:
         fault: "none", "raise" (an exception), "exit" (os._exit(3)) or "hang" (sleeps for an hour).

@@ -6,23 +6,51 @@ with `tests/` on PYTHONPATH. When a stage ends, each rank writes
 to `fit-rank<r>.pt`.
 """
 
+import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from torch import Tensor, nn
+
+DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-def fingerprint(x: Tensor, y: Tensor) -> bytes:
-    """One sample's identity: its features and label (float32 holds both exactly, in any run precision)."""
-    return torch.cat([x.flatten().float(), y.flatten().float()]).cpu().numpy().tobytes()
+def leaves(batch: Any) -> list[Tensor]:
+    """The tensors of a batch that is a tensor, or a tuple, list or dict of them (nested), in a fixed order."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for key in sorted(batch, key=str) for t in leaves(batch[key])]
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in leaves(item)]
+    return []
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    return len(leaves(batch)[0])
+
+
+def sample_keys(batch: Any) -> list[str]:
+    """One identity per sample: a hash of its row in every tensor of the batch. Floats are hashed as
+    float32, which holds the loaded values exactly in any run precision (64-true converts float32 up)."""
+    tensors = [t.detach().cpu() for t in leaves(batch) if t.ndim and len(t) == batch_len(batch)]
+    tensors = [t.float() if t.is_floating_point() else t.long() for t in tensors]
+    return [hashlib.sha1(b"".join(t[i].numpy().tobytes() for t in tensors)).hexdigest() for i in range(len(tensors[0]))]
 
 
 class Probe(L.Callback):
-    """Records training sample indices per step, logged metrics and evaluation sample counts, per rank."""
+    """Records training samples per step, logged metrics and evaluation sample counts, per rank.
+
+    It also sets the rate of every dropout layer to 0: dropout draws a different mask for a sample on
+    2 ranks than on 1 device (each rank has its own random stream), which is randomness, not a DDP bug.
+    Functional dropout (`F.dropout` in forward) is not reached: use `nn.Dropout` modules.
+    """
 
     def __init__(self) -> None:
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
@@ -31,19 +59,17 @@ class Probe(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Batches hold samples, not indices: find each sample's index in the training set by content.
-        dataset = trainer.train_dataloader.dataset
-        self.index = {fingerprint(*dataset[i]): i for i in range(len(dataset))}
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for module in pl_module.modules():
+            if isinstance(module, DROPOUT):
+                module.p = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        x, y = batch
-        ids = [self.index[fingerprint(xi, yi)] for xi, yi in zip(x, y, strict=True)]
-        self.record["batches"].setdefault(str(trainer.current_epoch), []).append(ids)
+        self.record["batches"].setdefault(str(trainer.current_epoch), []).append(sample_keys(batch))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         # What this rank's module logged this step (after any sync), at full precision.
-        logged = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+        logged = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         self.record["train"].append({"step": trainer.global_step, **logged})
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -53,18 +79,18 @@ class Probe(L.Callback):
         self.eval_samples = 0
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.eval_samples += len(batch[1])
+        self.eval_samples += batch_len(batch)
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.eval_samples += len(batch[1])
+        self.eval_samples += batch_len(batch)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
             self.record["val"].append({"epoch": trainer.current_epoch, "samples": self.eval_samples, **metrics})
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+        metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         self.record["test"] = {"samples": self.eval_samples, **metrics}
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

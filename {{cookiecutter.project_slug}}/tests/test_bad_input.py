@@ -5,10 +5,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import run_main
+from helpers import PROJECT, run_main
+from toy import ToyClassifier
 
-from {{ cookiecutter.package_name }}.cli import BadInput, check_checkpoint, check_state_dict_fits
-from {{ cookiecutter.package_name }}.module import DigitsClassifier
+from {{ cookiecutter.package_name }}.ddp.cli import BadInput, check_checkpoint, check_state_dict_fits
 
 # Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
 SITECUSTOMIZE = """
@@ -28,9 +28,9 @@ class Payload:
 def checkpoints(directory):
     """A foreign model's checkpoint, one whose weights do not fit, and one that runs code when unpickled."""
     directory.mkdir()
-    weights = DigitsClassifier().state_dict()
+    weights = ToyClassifier().state_dict()
     torch.save({"state_dict": weights, "hyper_parameters": {"_class_path": "other.Model"}}, directory / "other.ckpt")
-    torch.save({"state_dict": DigitsClassifier(hidden_dim=8).state_dict()}, directory / "shapes.ckpt")
+    torch.save({"state_dict": ToyClassifier(hidden_dim=8).state_dict()}, directory / "shapes.ckpt")
     with open(directory / "evil.ckpt", "wb") as f:
         pickle.dump({"state_dict": weights, "payload": Payload()}, f)
     return directory
@@ -41,7 +41,6 @@ CASES = {
     "no GPU": (["--trainer.accelerator", "gpu"], "--trainer.devices asks for 2 GPUs but no CUDA GPU is visible"),
     "indivisible batch": (["--data.global_batch_size", "63"], "global_batch_size=63 does not divide evenly over 2"),
     "zero stop check": (["--stop_check_every_n_steps", "0"], "stop_check_every_n_steps"),
-    "missing data": (["--data.data_path", "nope.csv"], "--data.data_path nope.csv does not exist"),
     "missing checkpoint": (["--ckpt_path", "nope.ckpt"], "--ckpt_path nope.ckpt does not exist"),
     "other model": (["--ckpt_path", "CKPTS/other.ckpt"], "was saved by model other.Model, but the model is"),
     "other shapes": (["--ckpt_path", "CKPTS/shapes.ckpt"], "holds weights of a different model (0 missing, 0 unexp"),
@@ -62,9 +61,10 @@ def outcomes(tmp_path_factory):
         cwd.mkdir()
         args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
         marker = base / f"{cwd.name}.spawned"
-        env = {"PYTHONPATH": str(base / "site"), "SPAWN_MARKER": str(marker)}
+        env = {"PYTHONPATH": f"{base / 'site'}:{PROJECT / 'tests'}", "SPAWN_MARKER": str(marker)}
+        toy = ("--config", str(PROJECT / "tests/toy.yaml"))  # the tests' own model, for the checkpoints above
         result = run_main(
-            "fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
+            "fit", *toy, "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
         )
         return name, (result, marker.exists(), sorted(p.name for p in cwd.iterdir()))
 
@@ -98,9 +98,9 @@ def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
     """The checks map zip checkpoints lazily and fall back to a plain load for the legacy format;
     a fitting checkpoint passes both, and a foreign one still fails."""
     path = str(tmp_path / "good.ckpt")
-    weights = DigitsClassifier().state_dict()
+    weights = ToyClassifier().state_dict()
     torch.save({"state_dict": weights}, path, _use_new_zipfile_serialization=zipfile)
     check_checkpoint(path, {"class_path": "x.Y"})
-    check_state_dict_fits(DigitsClassifier(), path)
+    check_state_dict_fits(ToyClassifier(), path)
     with pytest.raises(BadInput, match="holds weights of a different model"):
-        check_state_dict_fits(DigitsClassifier(hidden_dim=8), path)
+        check_state_dict_fits(ToyClassifier(hidden_dim=8), path)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import PROJECT, run_ok
 
-from {{ cookiecutter.package_name }}.doctor import FIELDS, Thresholds, covered_seconds, diagnose, summarize
+from {{ cookiecutter.package_name }}.ddp.doctor import FIELDS, Thresholds, covered_seconds, diagnose, summarize
 
 TESTS = Path(__file__).resolve().parent
 # Two CPU processes, a few steps, nothing printed or checked that the doctor does not need.
@@ -31,6 +31,7 @@ FIT = (
     "true",
 )
 CASES = {"PYTHONPATH": str(TESTS)}  # tests/doctor_cases.py, selected with --model / --data
+TOY = ("--config", str(TESTS / "toy.yaml"))  # the tests' own model and data, whatever config.yaml selects
 
 
 # ---- verdicts on plain numbers -------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def test_overlapping_all_reduces_count_once():
 # ---- real 2-process runs with a known cause ----------------------------------------------------------------
 def doctor_fit(root: Path, *args: str) -> tuple[dict, str]:
     """Fit on 2 CPU processes; return the doctor's JSON summary and the printed output."""
-    out = run_ok(*FIT, *args, "--trainer.default_root_dir", str(root), cwd=root, env=CASES, timeout=300)
+    out = run_ok(*FIT, *TOY, *args, "--trainer.default_root_dir", str(root), cwd=root, env=CASES, timeout=300)
     return json.loads((root / "lightning_logs/version_0/doctor.json").read_text()), out
 
 
@@ -192,6 +193,7 @@ def test_doctor_can_be_switched_off(tmp_path):
     """`--doctor.enabled false` gives no report and no summary file."""
     out = run_ok(
         "fit",
+        *TOY,
         "--trainer.accelerator",
         "cpu",
         "--trainer.max_steps",
@@ -211,7 +213,7 @@ def sweep(tmp_path_factory):
     """`scaling.py --devices 1 2` on a compute-heavy model with a large global batch."""
     out = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, str(PROJECT / "scaling.py"), "--devices", "1", "2", "--max-steps", "30", "--out", str(out)]
-    cmd += ["--", "--model", "doctor_cases.Balanced", "--data", "doctor_cases.ManyDigits"]
+    cmd += ["--", *TOY, "--model", "doctor_cases.Balanced", "--data", "doctor_cases.ManyBlobs"]
     # 1,024 samples per device: at 512 the timed gloo all-reduce reached the 30% threshold on an idle host.
     cmd += ["--data.global_batch_size", "2048", "--data.repeat", "16"]
     cmd += ["--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]
@@ -252,8 +254,9 @@ def test_numbers_reach_the_logger(sweep):
 def test_preflight_reports_ranks_backend_and_workers():
     """`scaling.py --preflight --devices 2` on CPU: gloo, two ranks that all-reduce, the configured workers."""
     cmd = [sys.executable, str(PROJECT / "scaling.py"), "--preflight", "--devices", "2"]
-    cmd += ["--", "--data.num_workers", "3"]
-    result = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    cmd += ["--", *TOY, "--data.num_workers", "3"]
+    env = {**os.environ, **CASES}
+    result = subprocess.run(cmd, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "backend: gloo" in out and "dataloader workers per rank (--data.num_workers): 3" in out

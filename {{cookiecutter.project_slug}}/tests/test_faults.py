@@ -69,7 +69,8 @@ def test_kill_during_checkpoint_writes_keeps_last_loadable(results):
 def test_resume_after_sigterm_matches_uninterrupted(results, tmp_path):
     """Stopped by SIGTERM mid-epoch and resumed, a run ends with the weights of one never stopped."""
     env = {"PYTHONPATH": str(PROJECT / "tests")}
-    common = ["fit", "--model", "faulty.FaultyClassifier", "--trainer.accelerator", "cpu", "--trainer.devices", "2"]
+    common = ["fit", "--config", str(PROJECT / "tests/toy.yaml"), "--model", "faulty.FaultyClassifier"]
+    common += ["--trainer.accelerator", "cpu", "--trainer.devices", "2"]
     common += ["--trainer.max_steps", str(STEPS)]
     common += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
     stopped = results["sigterm"].workdir / "checkpoints/last.ckpt"

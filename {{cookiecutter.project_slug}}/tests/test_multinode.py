@@ -19,7 +19,7 @@ from fake_cluster import (
 )
 from helpers import run_ok
 
-from {{ cookiecutter.package_name }}.requeue import next_hpc_checkpoint
+from {{ cookiecutter.package_name }}.ddp.requeue import next_hpc_checkpoint
 
 # float64 and 2 epochs (32 steps, across an epoch boundary): equal weights up to float64 rounding.
 TRAIN = ["--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"]
@@ -27,18 +27,18 @@ TRAIN += ["--trainer.enable_progress_bar", "false", "--trainer.callbacks+=rank_p
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, global_batch):
     """Weights after the same training on 1 device."""
     root = tmp_path_factory.mktemp("reference")
     run_ok("fit", *TRAIN, "--trainer.default_root_dir", str(root), cwd=root, env=base_env(), timeout=240)
-    return last_weights(root, 32)
+    return last_weights(root, 2 * global_batch["steps_per_epoch"])
 
 
 def probes(text: str) -> list[str]:
     return sorted(re.findall(r"RANK_PROBE .*", text))
 
 
-def test_two_torchrun_nodes_train_the_same_weights_as_one_device(reference, tmp_path):
+def test_two_torchrun_nodes_train_the_same_weights_as_one_device(reference, global_batch, tmp_path):
     """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost) matches 1 device."""
     port = free_port()
     env = base_env(NNODES="2", GPUS_PER_NODE="1", RDZV_ENDPOINT=f"localhost:{port}", RDZV_ID=f"test{port}")
@@ -50,10 +50,10 @@ def test_two_torchrun_nodes_train_the_same_weights_as_one_device(reference, tmp_
     assert probes(logs) == [
         f"RANK_PROBE global={r} local=0 node={r} world=2 env=TorchElasticEnvironment step=0" for r in range(2)
     ]
-    assert max_abs_diff(last_weights(tmp_path, 32), reference) < 1e-12
+    assert max_abs_diff(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
 
 
-def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference, tmp_path):
+def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference, global_batch, tmp_path):
     """cluster/slurm.sbatch under a 2-node SLURM job's variables: Lightning takes ranks from SLURM, matches 1 device."""
     env = slurm_env(tmp_path, nodes=2, tasks_per_node=1, job_id=4242)
     job = start(
@@ -64,10 +64,10 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference,
     assert codes == [0], (tmp_path / "job.log").read_text() + tasks[0][-3000:] + tasks[1][-3000:]
     for rank, out in enumerate(tasks):
         assert probes(out) == [f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment step=0"]
-    assert max_abs_diff(last_weights(tmp_path, 32), reference) < 1e-12
+    assert max_abs_diff(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
 
 
-def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(tmp_path):
+def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(global_batch, tmp_path):
     """SIGUSR1 (SLURM, before the time limit): hpc_ckpt_1.ckpt and `scontrol requeue`; the rerun resumes from it."""
     env = slurm_env(tmp_path, nodes=1, tasks_per_node=2, job_id=4243)
     root, tasks = tmp_path / "root", tmp_path / "tasks"
@@ -91,7 +91,8 @@ def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4243\n"
     hpc = root / "hpc_ckpt_1.ckpt"
     saved_step = torch.load(hpc, weights_only=True)["global_step"]
-    assert 16 < saved_step < 48 and f"saved {hpc} at step {saved_step}" in first[0]
+    steps = global_batch["steps_per_epoch"]
+    assert steps < saved_step < 3 * steps and f"saved {hpc} at step {saved_step}" in first[0]
 
     requeued = start(["bash", "cluster/slurm.sbatch", *args], env, tmp_path / "job2.log")
     codes = finish([requeued], timeout=300)
@@ -103,7 +104,7 @@ def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(
             f"RANK_PROBE global={rank} local={rank} node=0 world=2 env=SLURMEnvironment step={saved_step}"
         ]
     for rank, out in enumerate(second):
-        assert f"RANK_PROBE_END global={rank} step=48" in out  # 3 epochs x 16 steps
+        assert f"RANK_PROBE_END global={rank} step={3 * steps}" in out  # 3 epochs
 
 
 def test_next_hpc_checkpoint_follows_the_highest_number(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from {{ cookiecutter.package_name }}.sampling import GlobalBatchSampler, ResumableLoader, eval_sampler
+from {{ cookiecutter.package_name }}.ddp.sampling import GlobalBatchSampler, ResumableLoader, eval_sampler
 
 DATA = TensorDataset(torch.arange(103))
 

@@ -1,1 +1,1 @@
-"""{{ cookiecutter.package_name }}: model, data and samplers for multi-device training with Lightning."""
+"""{{ cookiecutter.package_name }}: your models and data (digits/ is the example), and the template's machinery (ddp/)."""

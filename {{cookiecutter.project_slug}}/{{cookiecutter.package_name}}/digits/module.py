@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..ddp.sharding import shard_layers
 from .model import MLP
-from .sharding import shard_layers
 
 
 class DigitsClassifier(L.LightningModule):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.data import DigitsDataModule, load_digits
+from {{ cookiecutter.package_name }}.digits.data import DigitsDataModule, load_digits
 
 
 def test_bundled_digits_shape_and_range():

@@ -13,10 +13,10 @@ from helpers import PROJECT, run_ok
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS
 from lightning.pytorch.loggers import CSVLogger
 
-from {{ cookiecutter.package_name }} import throughput
-from {{ cookiecutter.package_name }}.lm import VOCAB_SIZE, LanguageModel
-from {{ cookiecutter.package_name }}.text import TextDataModule, sequences_in, tokens_in
-from {{ cookiecutter.package_name }}.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
+from {{ cookiecutter.package_name }}.ddp import throughput
+from {{ cookiecutter.package_name }}.ddp.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
+from {{ cookiecutter.package_name }}.lm.data import TextDataModule, sequences_in, tokens_in
+from {{ cookiecutter.package_name }}.lm.module import VOCAB_SIZE, LanguageModel
 
 TINY = dict(n_layers=2, d_model=64, n_heads=4, block_size=64)
 

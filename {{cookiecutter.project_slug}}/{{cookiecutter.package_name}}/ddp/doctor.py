@@ -27,7 +27,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -37,182 +37,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-# Per-rank numbers, gathered as one float64 row per rank, in this order.
-FIELDS = ("steps", "wall_s", "samples", "timed_steps", "data_s", "busy_s", "comm_s", "step_s", "peak_mem_bytes")
-
-
-@dataclass
-class Thresholds:
-    """When the doctor calls something a problem. Shares are of the mean step time.
-
-    Args:
-        min_step_ms: Steps shorter than this do too little work: fixed per-step costs (Python, kernel
-            launches, all-reduce latency) dominate and more devices cannot help.
-        straggler_wait_share: Flag a straggler when the fastest rank waits this share of each step for the
-            slowest: the difference of their own work (data wait + compute), which the fast rank spends
-            waiting in the all-reduce. (A ratio of work alone misfires when work is a small part of the step.)
-        data_wait_share: Flag data-bound when the ranks wait this share of each step for the next batch.
-        comm_share: Flag communication-bound when the all-reduce takes this share of the step on the rank
-            that waits least for it (the last to arrive sees the transfer, not the others' lateness).
-        memory_imbalance: Flag when the largest per-rank peak memory is this many times the smallest.
-    """
-
-    min_step_ms: float = 10.0
-    straggler_wait_share: float = 0.25
-    data_wait_share: float = 0.2
-    comm_share: float = 0.3
-    memory_imbalance: float = 1.3
-
-
-def covered_seconds(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of (start, end) intervals: all-reduces of buckets that overlap count once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def summarize(rows: list[list[float]], context: dict) -> dict:
-    """Turn the gathered per-rank rows (FIELDS) into the report's numbers, per rank and overall."""
-    ranks = []
-    for rank, row in enumerate(rows):
-        r = dict(zip(FIELDS, row, strict=True))
-        timed = max(r["timed_steps"], 1.0)
-        step_ms = 1000 * r["step_s"] / timed
-        data_ms, busy_ms, comm_ms = (1000 * r[k] / timed for k in ("data_s", "busy_s", "comm_s"))
-        ranks.append(
-            {
-                "rank": rank,
-                "samples_per_s": r["samples"] / r["wall_s"] if r["wall_s"] else 0.0,
-                "batch": r["samples"] / r["steps"] if r["steps"] else 0.0,
-                "step_ms": step_ms,
-                "data_ms": data_ms,
-                "compute_ms": busy_ms - comm_ms,
-                "comm_ms": comm_ms,
-                "other_ms": step_ms - data_ms - busy_ms,
-                "work_ms": data_ms + busy_ms - comm_ms,  # the rank's own work; comm includes waiting for others
-                "peak_mem_mb": r["peak_mem_bytes"] / 2**20,
-            }
-        )
-    step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
-    total = sum(r["samples_per_s"] for r in ranks)
-    work = [r["work_ms"] for r in ranks]
-    mem = [r["peak_mem_mb"] for r in ranks]
-    return {
-        **context,
-        "world_size": len(ranks),
-        "steps": int(min(row[0] for row in rows)),
-        "samples_per_s": total,
-        "samples_per_s_per_device": total / len(ranks),
-        "steps_per_s": 1000 / step_ms if step_ms else 0.0,
-        "step_ms": step_ms,
-        "data_wait_pct": 100 * sum(r["data_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
-        "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
-        "straggler_wait_pct": 100 * (max(work) - min(work)) / step_ms if step_ms else 0.0,
-        "memory_imbalance": max(mem) / min(mem) if min(mem) > 0 else 1.0,
-        "ranks": ranks,
-    }
-
-
-def diagnose(s: dict, t: Thresholds) -> list[dict]:
-    """Findings with their fix, most fundamental first; an empty list means healthy."""
-    ranks = s["ranks"]
-    if not s["step_ms"]:
-        return [{"cause": "unmeasured", "fix": "no step after the warm-up steps was timed → train for more steps"}]
-    found = []
-    batch = round(ranks[0]["batch"])
-    if s["memory_imbalance"] >= t.memory_imbalance:
-        hi = max(ranks, key=lambda r: r["peak_mem_mb"])
-        lo = min(ranks, key=lambda r: r["peak_mem_mb"])
-        found.append(
-            {
-                "cause": "memory-imbalance",
-                "fix": f"rank {hi['rank']} peaks at {s['memory_imbalance']:.1f}x the memory of rank {lo['rank']} "
-                f"({hi['peak_mem_mb']:.0f} vs {lo['peak_mem_mb']:.0f} MB) → a tensor is pinned to one device or "
-                "kept on one rank only (rank-0-only state, torch.device('cuda') instead of the rank's own device)",
-            }
-        )
-    if s["step_ms"] < t.min_step_ms:
-        found.append(
-            {
-                "cause": "too-little-work",
-                "fix": f"steps take {s['step_ms']:.1f} ms (< {t.min_step_ms:g} ms): fixed per-step costs (Python, "
-                "kernel launches, all-reduce latency) outweigh the work, so more devices cannot speed this up "
-                f"→ raise the per-device batch (now {batch}) or the model size per step, or use fewer devices",
-            }
-        )
-    if s["straggler_wait_pct"] >= 100 * t.straggler_wait_share:
-        slow = max(ranks, key=lambda r: r["work_ms"])
-        fast = min(ranks, key=lambda r: r["work_ms"])
-        found.append(
-            {
-                "cause": "straggler",
-                "fix": f"rank {slow['rank']} is a straggler: its own work takes {s['straggler_spread']:.1f}x "
-                f"rank {fast['rank']}'s ({slow['work_ms']:.1f} vs {fast['work_ms']:.1f} ms per step), so the "
-                f"others wait {s['straggler_wait_pct']:.0f}% of each step for it → check that rank's data shard and "
-                "loader, its CPU cores (cores per rank), and other jobs or throttling on its device",
-            }
-        )
-    if s["data_wait_pct"] >= 100 * t.data_wait_share:
-        workers, pin = s.get("num_workers"), s.get("pin_memory")
-        found.append(
-            {
-                "cause": "data-bound",
-                "fix": f"{s['data_wait_pct']:.0f}% of each step waits for data → raise "
-                f"--data.num_workers (now {workers}), set pin_memory=True (now {pin}) and "
-                "persistent_workers=True, or make loading cheaper (decode/augment once, cache, faster disk)",
-            }
-        )
-    if s["comm_pct"] >= 100 * t.comm_share:
-        comm_ms = min(r["comm_ms"] for r in ranks)
-        found.append(
-            {
-                "cause": "communication-bound",
-                "fix": f"the gradient all-reduce is {s['comm_pct']:.0f}% of the step "
-                f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → larger per-device batch "
-                f"(now {batch}), gradient accumulation (--trainer.accumulate_grad_batches), a larger DDP "
-                "bucket_cap_mb, or a compressing comm hook (fp16/bf16)",
-            }
-        )
-    return found
-
-
-def format_report(s: dict) -> str:
-    """The printed report: totals, one line per rank, the verdict and the fixes."""
-    lines = [
-        f"Scaling doctor: {s['world_size']} x {s['device']}, {s['steps']} steps, "
-        f"{s['samples_per_s']:.0f} samples/s ({s['samples_per_s_per_device']:.0f} per device), "
-        f"{s['steps_per_s']:.1f} steps/s",
-        f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "
-        f"{s.get('cpu_threads_per_rank')} torch threads per rank, {s.get('num_workers')} loader workers per rank",
-        "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | peak MB",
-    ]
-    if not s.get("comm_measured", True):
-        lines.append("comm not timed, counted in compute: --doctor.measure_comm true times it (costs ~1-2 ms/step)")
-    for r in s["ranks"]:
-        lines.append(
-            f"{r['rank']:>4} | {r['samples_per_s']:>9.0f} | {r['step_ms']:>7.2f} | {r['data_ms']:>7.2f} | "
-            f"{r['compute_ms']:>10.2f} | {r['comm_ms']:>7.2f} | {r['other_ms']:>8.2f} | {r['peak_mem_mb']:>7.0f}"
-        )
-    lines.append(
-        f"data wait {s['data_wait_pct']:.0f}% | comm {s['comm_pct']:.0f}% | straggler spread "
-        f"{s['straggler_spread']:.2f}x (fastest rank waits {s['straggler_wait_pct']:.0f}%) | "
-        f"memory imbalance {s['memory_imbalance']:.2f}x"
-    )
-    load, cores = s.get("host_load_1min"), s.get("cpu_cores_visible")
-    if load and cores and load > cores:
-        lines.append(
-            f"note: host load {load:.1f} > {cores} cores: other processes compete with the ranks for the CPU, "
-            "so every time above is inflated (no verdict accounts for this)"
-        )
-    if not s["findings"]:
-        lines.append("verdict: healthy (no bottleneck above the thresholds)")
-    for f in s["findings"]:
-        lines.append(f"verdict: {f['cause']}: {f['fix']}")
-    return "\n".join(lines)
+from .diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, format_report, summarize
+from .lightning_internals import wrap_fetch_hooks
 
 
 class _Totals:
@@ -331,23 +157,15 @@ class ScalingDoctor(L.Callback):
         self._fetch_s = 0.0
 
     def _time_fetches(self, trainer: L.Trainer) -> bool:
-        """Chain a timer onto the hooks around the training loop's `next(loader)`; False if there are none."""
-        loop = trainer.fit_loop.epoch_loop
-        before, after = getattr(loop, "_on_before_fetch", None), getattr(loop, "_on_after_fetch", None)
-        if before is None or after is None:
-            return False
+        """Time the training loop's `next(loader)`; False if Lightning offers no hooks around it."""
 
         def before_fetch() -> None:
-            before()
             self._fetch_start = time.perf_counter()
 
         def after_fetch() -> None:
             self._fetch_s += time.perf_counter() - self._fetch_start
-            after()
 
-        # Instance attributes: the loop hands these to each epoch's data fetcher.
-        loop._on_before_fetch, loop._on_after_fetch = before_fetch, after_fetch
-        return True
+        return wrap_fetch_hooks(trainer, before_fetch, after_fetch)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled and not trainer.sanity_checking:

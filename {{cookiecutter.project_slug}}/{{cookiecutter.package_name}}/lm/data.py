@@ -1,4 +1,4 @@
-"""A bundled public-domain text as a byte-level language-modelling DataModule with a global batch size.
+"""A bundled public-domain text as byte-level language-modelling datasets; `GlobalBatchDataModule` loads them.
 
 ecclesiastes.txt: the Book of Ecclesiastes, King James Version (1611), 28,583
 characters, from the Debian package bible-kjv-text (Chip Chapin's Bible Retrieval
@@ -6,15 +6,13 @@ System text, "unrestricted use"). The translation is in the public domain
 (in the UK the Crown's letters patent still cover the KJV).
 """
 
-import os
 from pathlib import Path
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
-from .sampling import GlobalBatchSampler, eval_sampler
+from ..ddp import GlobalBatchDataModule
 
 TEXT = Path(__file__).with_name("ecclesiastes.txt")
 
@@ -37,7 +35,7 @@ def tokens_in(batch: tuple[Tensor, Tensor]) -> int:
     return batch[0].numel()
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(GlobalBatchDataModule):
     """The bytes of a text file as token ids (vocabulary: 256); the last `val_fraction` is the validation set.
 
     Bytes need no tokenizer and give every text the same vocabulary, so the model's size does not
@@ -45,6 +43,9 @@ class TextDataModule(L.LightningDataModule):
 
     Args:
         global_batch_size: Sequences per optimizer step summed over all devices (split evenly over them).
+        micro_batch_size: Sequences per forward pass on one device (None: its whole share); gradient
+            accumulation makes up the rest of the global batch.
+        num_workers: DataLoader worker processes per device.
         block_size: Bytes per training sequence (at most the model's context length).
         val_fraction: Fraction of the text, taken from its end, held out for validation.
         text_path: Any text file (read as bytes); the bundled Ecclesiastes when None.
@@ -53,36 +54,28 @@ class TextDataModule(L.LightningDataModule):
     def __init__(
         self,
         global_batch_size: int = 32,
+        micro_batch_size: int | None = None,
+        num_workers: int = 0,
         block_size: int = 128,
         val_fraction: float = 0.1,
         text_path: str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(global_batch_size, micro_batch_size, num_workers)
         self.save_hyperparameters()
-        self.global_batch_size, self.block_size, self.val_fraction = global_batch_size, block_size, val_fraction
+        self.block_size, self.val_fraction = block_size, val_fraction
         self.text_path = Path(text_path) if text_path else TEXT
 
     def prepare_data(self) -> None:
         if not self.text_path.is_file():
             raise FileNotFoundError(f"text_path {str(self.text_path)!r} does not exist: pass --data.text_path FILE.")
 
-    def setup(self, stage: str) -> None:
-        ids = torch.frombuffer(bytearray(self.text_path.read_bytes()), dtype=torch.uint8).long()
-        split = int(len(ids) * (1 - self.val_fraction))
-        self.train_set: Dataset = chunks(ids[:split], self.block_size)
-        self.val_set: Dataset = chunks(ids[split:], self.block_size)
-        self.train_sampler()  # fail now if the global batch does not split over the processes
+    def text_ids(self) -> Tensor:
+        return torch.frombuffer(bytearray(self.text_path.read_bytes()), dtype=torch.uint8).long()
 
-    def train_sampler(self) -> GlobalBatchSampler:
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return GlobalBatchSampler(self.train_set, self.global_batch_size, num_replicas=world, rank=rank, seed=seed)
+    def train_dataset(self) -> Dataset:
+        ids = self.text_ids()
+        return chunks(ids[: int(len(ids) * (1 - self.val_fraction))], self.block_size)
 
-    def train_dataloader(self) -> DataLoader:
-        sampler = self.train_sampler()
-        return DataLoader(self.train_set, batch_size=sampler.batch_size, sampler=sampler)
-
-    def val_dataloader(self) -> DataLoader:
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
-        sampler = eval_sampler(self.val_set, world, rank)
-        return DataLoader(self.val_set, batch_size=max(1, self.global_batch_size // world), sampler=sampler)
+    def val_dataset(self) -> Dataset:
+        ids = self.text_ids()
+        return chunks(ids[int(len(ids) * (1 - self.val_fraction)) :], self.block_size)

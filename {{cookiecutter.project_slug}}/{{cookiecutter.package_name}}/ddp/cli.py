@@ -20,15 +20,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch.distributed.constants import default_pg_timeout
 
+from .checkpoints import AtomicCheckpointIO
+from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
-from .resilience import (
+from .lightning_internals import ddp_timeout, is_subprocess_launcher, set_ddp_timeout
+from .processes import (
     LAUNCHER_PID,
-    AtomicCheckpointIO,
-    GracefulStop,
-    StopRequested,
-    TimedDDPStrategy,
+    exit_now,
     failed_children,
     rank_label,
     register_launcher,
@@ -36,6 +36,8 @@ from .resilience import (
     watch_children,
     watch_parent,
 )
+from .stop import GracefulStop, StopRequested
+from .strategy import TimedDDPStrategy
 
 # `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file.
 SPECIAL_CKPT_PATHS = {"last", "best", "hpc"}
@@ -100,6 +102,9 @@ class CLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.datamodule is not None and not isinstance(self.datamodule, GlobalBatchDataModule):
+            if rank_label() == "0" and self.subcommand:
+                sys.stderr.write(plain_datamodule_warning(self.datamodule) + "\n")
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and Path(ckpt_path).is_file():
             try:
@@ -116,10 +121,12 @@ class CLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         timeout = timedelta(seconds=self._get(self.config, "dist_timeout"))
-        if config.get("strategy") == "ddp":  # the registry's "ddp" is DDPStrategy() with a 30-minute timeout
+        strategy = config.get("strategy")
+        if strategy == "ddp":  # the registry's "ddp" is DDPStrategy() with a 30-minute timeout
             config["strategy"] = TimedDDPStrategy(timeout=timeout)
-        elif isinstance(config.get("strategy"), DDPStrategy) and config["strategy"]._timeout is None:
-            config["strategy"]._timeout = timeout
+        elif isinstance(strategy, DDPStrategy) and ddp_timeout(strategy) in (None, default_pg_timeout):
+            # A DDPStrategy built from a class path gets torch's 30-minute default, never None.
+            set_ddp_timeout(strategy, timeout)
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
@@ -132,7 +139,7 @@ class CLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         launcher = self.trainer.strategy.launcher
         try:
-            if isinstance(launcher, _SubprocessScriptLauncher):
+            if is_subprocess_launcher(launcher):
                 register_launcher(launcher)
                 watch_children()
             super()._run_subcommand(subcommand)
@@ -165,11 +172,14 @@ class CLI(LightningCLI):
             exit_now(1)
 
 
-def exit_now(code: int) -> None:
-    """Exit without interpreter shutdown, which can block in a broken process group's destructor."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def plain_datamodule_warning(datamodule: Any) -> str:
+    """One line: what a data module that is not a GlobalBatchDataModule loses, and how to get it back."""
+    base = f"{GlobalBatchDataModule.__module__.rsplit('.', 1)[0]}.{GlobalBatchDataModule.__name__}"
+    return (
+        f"warning: {type(datamodule).__name__} is a plain LightningDataModule: its batch size is per device "
+        "(the global batch grows with --trainer.devices), and 1-vs-N device parity, exact mid-epoch resume and "
+        f"exactly-once evaluation are not guaranteed; subclass {base} and return datasets to keep them."
+    )
 
 
 def check_config(config: Any) -> None:
@@ -184,9 +194,6 @@ def check_config(config: Any) -> None:
             f"global_batch_size={batch} does not divide evenly over {world} processes: set "
             f"--data.global_batch_size to a multiple of {world} (e.g. {suggestion}) or change --trainer.devices."
         )
-    data_path = init_args.get("data_path")
-    if data_path and not Path(data_path).is_file():
-        raise BadInput(f"--data.data_path {data_path} does not exist: pass an existing CSV file.")
     ckpt_path = config.get("ckpt_path")
     if ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS and "://" not in str(ckpt_path):
         check_checkpoint(str(ckpt_path), config.get("model"))

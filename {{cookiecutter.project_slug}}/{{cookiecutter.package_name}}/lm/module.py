@@ -13,8 +13,8 @@ from lightning.fabric.utilities.throughput import measure_flops
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from ..ddp.sharding import shard_layers
 from .gpt import GPT
-from .sharding import shard_layers
 
 VOCAB_SIZE = 256  # bytes
 

@@ -99,24 +99,30 @@ class ResumableLoader(DataLoader):
 
     Lightning stores `state_dict()` in every checkpoint (it treats loaders with
     `state_dict`/`load_state_dict` as resumable) and calls `load_state_dict` when
-    it resumes, before iterating. The position counts batches handed to the
-    training loop, not batches the sampler or workers prepared ahead.
+    it resumes, before iterating. The position counts global batches whose
+    optimizer step is complete: with gradient accumulation a global batch is
+    `batches_per_step` loader batches, and a checkpoint taken between them
+    resumes at the start of that global batch, whose partial gradient the
+    checkpoint does not hold. Batches the sampler or workers prepared ahead do
+    not count.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batches_per_step: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, GlobalBatchSampler):
             raise TypeError("ResumableLoader needs a GlobalBatchSampler as its sampler.")
-        self._position = (0, 0)  # (epoch, global batches of that epoch handed out)
+        self.batches_per_step = batches_per_step
+        self._position = (0, 0)  # (epoch, global batches of that epoch completed)
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
-        done = None
-        for batch in super().__iter__():
-            if done is None:  # the sampler has started now, so start_batch includes a restored skip
-                done = sampler.start_batch
-            done += 1
-            self._position = (sampler.epoch, done)
+        start = None
+        for handed, batch in enumerate(super().__iter__(), start=1):
+            if start is None:  # the sampler has started now, so start_batch includes a restored skip
+                start = sampler.start_batch
+            # Counted before the batch is trained: Lightning saves a step's checkpoint after the batch that
+            # completes it, when this generator has already handed that batch out.
+            self._position = (sampler.epoch, start + handed // self.batches_per_step)
             yield batch
 
     def state_dict(self) -> dict[str, int]:

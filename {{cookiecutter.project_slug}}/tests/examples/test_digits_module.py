@@ -2,8 +2,8 @@
 
 import torch
 
-from {{ cookiecutter.package_name }}.data import load_digits
-from {{ cookiecutter.package_name }}.module import DigitsClassifier
+from {{ cookiecutter.package_name }}.digits.data import load_digits
+from {{ cookiecutter.package_name }}.digits.module import DigitsClassifier
 
 
 def test_forward_shape_and_hparams():

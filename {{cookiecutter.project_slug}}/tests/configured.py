@@ -1,0 +1,55 @@
+"""What config.yaml selects, measured the way main.py builds it: the guarantee tests follow these numbers.
+
+`python tests/configured.py [main.py arguments]` prints one JSON line; `describe()` runs it in a
+subprocess (building a Trainer in the test process would set up its environment there).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def describe(*args: str) -> dict:
+    """Sizes and steps of the configured data module, and what the configured model overrides."""
+    cmd = [sys.executable, __file__, *args]
+    result = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _measure(args: list[str]) -> dict:
+    import lightning as L
+
+    sys.path.insert(0, str(PROJECT))
+    from {{ cookiecutter.package_name }}.ddp import GlobalBatchDataModule
+    from main import main
+
+    cpu = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
+    cli = main([*args, *cpu], run=False)
+    model, data = cli.model, cli.datamodule
+    info = {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "data": f"{type(data).__module__}.{type(data).__qualname__}",
+        "global_batch_data": isinstance(data, GlobalBatchDataModule),
+        # Sharding needs the module to shard its own layers (ModelParallelStrategy does not do it for it).
+        "shards_layers": type(model).configure_model is not L.LightningModule.configure_model,
+    }
+    if info["global_batch_data"]:
+        data.setup("fit")
+        info |= {
+            "train_size": len(data.train_set),
+            "global_batch_size": data.global_batch_size,
+            "steps_per_epoch": len(data.train_set) // data.global_batch_size,
+            "val_size": len(data.val_set) if data.val_set is not None else 0,
+        }
+        data.setup("test")
+        info["test_size"] = len(data.test_set) if data.test_set is not None else 0
+    return info
+
+
+if __name__ == "__main__":
+    args, sys.argv = sys.argv[1:], sys.argv[:1]  # LightningCLI reads sys.argv too when given args
+    print(json.dumps(_measure(args)))

@@ -1,0 +1,21 @@
+"""Shared fixtures: what config.yaml selects, so the guarantee tests follow your model and data."""
+
+import pytest
+from configured import describe
+
+
+@pytest.fixture(scope="session")
+def configured() -> dict:
+    """Sizes and steps of the data module config.yaml selects (tests/configured.py)."""
+    return describe()
+
+
+@pytest.fixture(scope="session")
+def global_batch(configured) -> dict:
+    """`configured`, for tests of guarantees that only a GlobalBatchDataModule gives; others skip."""
+    if not configured["global_batch_data"]:
+        pytest.skip(
+            f"{configured['data']} is not a GlobalBatchDataModule: 1-vs-N parity, exact resume and exactly-once "
+            "evaluation are not guaranteed for it (README, 'Your own model and data')"
+        )
+    return configured

@@ -1,0 +1,108 @@
+"""Checkpoints that suit any module, and that a kill at any moment cannot corrupt.
+
+- `CurrentModelCheckpoint`: `last.ckpt` is always the latest epoch; a monitored metric the module never
+  logs fails at the sanity check, naming the metrics it does log.
+- `AtomicCheckpointIO`: write to a temporary file, fsync, rename over the old one.
+"""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from .lightning_internals import save_last_checkpoint_if_skipped, saves_on_train_epoch_end
+
+
+class CurrentModelCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` that checks its monitored metric early and keeps `last.ckpt` current.
+
+    - A `monitor` key the module never logs fails at the end of the sanity check (seconds after the
+      start, naming the keys the module does log), not after the first epoch as in Lightning 2.6.6.
+      With `--trainer.num_sanity_val_steps 0` (or a metric logged only in training) Lightning's own
+      check at the first save applies.
+    - Lightning 2.6.6 rewrites `last.ckpt` only when a top-k checkpoint was saved at
+      the same step (`model_checkpoint.py`, `on_validation_end`): with a monitored
+      metric that stops improving, `last.ckpt` stays at the best epoch and a resume
+      from it silently goes back in training. This saves it at every checkpoint
+      point where Lightning skipped it.
+    """
+
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        logged = trainer.callback_metrics
+        if self.monitor is None or self.monitor in logged or trainer.num_sanity_val_steps == 0:
+            return
+        if not logged:
+            return  # the module logs nothing in validation: its metrics come from training, checked later
+        raise MisconfigurationException(
+            f"ModelCheckpoint monitors {self.monitor!r}, which the module does not log in validation; it logs "
+            f"{sorted(logged)}. Set `monitor:` (and `mode:`) of the checkpoint callback in config.yaml to one of "
+            "them, or log the metric."
+        )
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if saves_on_train_epoch_end(self, trainer):
+            self._save_stale_last(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not saves_on_train_epoch_end(self, trainer):
+            self._save_stale_last(trainer)
+
+    def _save_stale_last(self, trainer: L.Trainer) -> None:
+        save_last_checkpoint_if_skipped(self, trainer)
+
+
+def checkpoint_dir(trainer: L.Trainer) -> str:
+    """Where the first ModelCheckpoint writes, else <default_root_dir>/checkpoints."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.dirpath:
+        return str(callback.dirpath)
+    return os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to a temporary file, fsyncs it and renames it into place.
+
+    `os.replace` is atomic on POSIX file systems: readers (and a resume after a
+    crash) see the old complete file or the new complete file, never a partial
+    one. A kill mid-write leaves only a `.tmp` file, which the next save in that
+    directory removes. Remote paths (s3://...) use Lightning's default writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if "://" in str(path) and not str(path).startswith("file://"):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)  # left by a writer that was killed
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # makes the rename itself durable
+        finally:
+            os.close(directory)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        # Tensors and plain containers only unless the caller asks otherwise: a checkpoint file
+        # from elsewhere cannot run code on load (Lightning's own default is weights_only=False).
+        if weights_only is None:
+            weights_only = True
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)

@@ -1,0 +1,109 @@
+"""Every private name of Lightning or torch that the template relies on, in one place.
+
+Each is a debt: a new release may rename or remove it. `tests/test_lightning_internals.py` checks
+every name in `PRIVATE_NAMES` (and the behaviour of the helpers below) and fails naming the Lightning
+and torch versions, so an upgrade says at once what moved. The CLI also overrides two private methods
+of `LightningCLI` (`_instantiate_trainer`, `_run_subcommand`); they are listed here for the same test.
+Measured against Lightning 2.6.6 and torch 2.13.0.
+"""
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+# (owner, attribute): what must exist for the helpers below and the CLI's overrides to work.
+PRIVATE_NAMES: list[tuple[Any, str]] = [
+    (LightningCLI, "_instantiate_trainer"),
+    (LightningCLI, "_run_subcommand"),
+    (LightningCLI, "_get"),
+    (_TrainingEpochLoop, "_broadcast_sigterm_tensor"),
+    (_TrainingEpochLoop, "_on_before_fetch"),
+    (_TrainingEpochLoop, "_on_after_fetch"),
+    (ModelCheckpoint, "_should_save_on_train_epoch_end"),
+    (ModelCheckpoint, "_should_skip_saving_checkpoint"),
+    (ModelCheckpoint, "_save_last_checkpoint"),
+    (ModelCheckpoint, "_monitor_candidates"),
+    (torch.distributed.distributed_c10d, "_set_pg_timeout"),
+]
+
+
+def is_subprocess_launcher(launcher: Any) -> bool:
+    """Lightning's launcher that starts ranks 1..N-1 as `python main.py ...` (CPU and GPU DDP)."""
+    return isinstance(launcher, _SubprocessScriptLauncher)
+
+
+def launched_processes(launcher: Any) -> list[Any]:
+    """The `subprocess.Popen`s of the ranks a subprocess launcher started (it rebuilds the list per launch)."""
+    return list(getattr(launcher, "procs", []))
+
+
+def ddp_timeout(strategy: DDPStrategy) -> timedelta | None:
+    """The collective timeout a DDPStrategy will give its process group."""
+    return strategy._timeout
+
+
+def set_ddp_timeout(strategy: DDPStrategy, timeout: timedelta) -> None:
+    strategy._timeout = timeout
+
+
+def set_process_group_timeout(timeout: timedelta) -> None:
+    """Change the default process group's collective timeout after it was created with another one."""
+    torch.distributed.distributed_c10d._set_pg_timeout(timeout)
+
+
+def skip_sigterm_broadcast(trainer: Any) -> None:
+    """Switch off Lightning 2.6's per-step broadcast of rank 0's SIGTERM flag (a blocking collective).
+
+    An instance attribute shadows the loop's method; `restore_sigterm_broadcast` removes it.
+    """
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+
+
+def restore_sigterm_broadcast(trainer: Any) -> None:
+    vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
+
+
+def _no_broadcast() -> None:
+    """Stands in for Lightning's per-step SIGTERM broadcast."""
+
+
+def wrap_fetch_hooks(trainer: Any, before: Callable[[], None], after: Callable[[], None]) -> bool:
+    """Call `before`/`after` around the training loop's `next(loader)`; False when the loop has no such hooks.
+
+    The loop hands its `_on_before_fetch`/`_on_after_fetch` (profiler hooks) to each epoch's data
+    fetcher; instance attributes chained onto them are called on every fetch.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    old_before, old_after = getattr(loop, "_on_before_fetch", None), getattr(loop, "_on_after_fetch", None)
+    if old_before is None or old_after is None:
+        return False
+
+    def before_fetch() -> None:
+        old_before()
+        before()
+
+    def after_fetch() -> None:
+        after()
+        old_after()
+
+    loop._on_before_fetch, loop._on_after_fetch = before_fetch, after_fetch
+    return True
+
+
+def save_last_checkpoint_if_skipped(callback: ModelCheckpoint, trainer: Any) -> None:
+    """Write `last.ckpt` now unless this step was already saved (Lightning 2.6.6 skips it when no top-k
+    checkpoint was written at the same step)."""
+    if callback.save_last and not callback._should_skip_saving_checkpoint(trainer):
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def saves_on_train_epoch_end(callback: ModelCheckpoint, trainer: Any) -> bool:
+    """Whether the callback saves at the end of the training epoch (else after validation)."""
+    return callback._should_save_on_train_epoch_end(trainer)

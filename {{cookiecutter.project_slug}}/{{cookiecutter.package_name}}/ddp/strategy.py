@@ -1,0 +1,31 @@
+"""DDP with a short collective timeout that still lets slow starts meet."""
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from .lightning_internals import ddp_timeout, set_ddp_timeout, set_process_group_timeout
+
+
+class TimedDDPStrategy(DDPStrategy):
+    """DDP whose collectives fail after `timeout`, while starting ranks get `startup_timeout` to meet.
+
+    One timeout for both would make a short hang-detection timeout fail slow
+    start-ups (imports on a busy machine, many nodes), or a long one hide hangs.
+    """
+
+    def __init__(self, *args: Any, startup_timeout: timedelta = timedelta(minutes=10), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.startup_timeout = startup_timeout
+
+    def setup_distributed(self) -> None:
+        timeout = ddp_timeout(self)
+        if timeout is None:
+            return super().setup_distributed()
+        set_ddp_timeout(self, max(timeout, self.startup_timeout))
+        try:
+            super().setup_distributed()
+        finally:
+            set_ddp_timeout(self, timeout)
+        set_process_group_timeout(timeout)
