@@ -16,7 +16,9 @@ VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the template 
 
 
 @pytest.mark.parametrize(
-    ("owner", "name"), internals.PRIVATE_NAMES, ids=[f"{getattr(o, '__name__', o)}.{n}" for o, n in internals.PRIVATE_NAMES]
+    ("owner", "name"),
+    internals.PRIVATE_NAMES,
+    ids=[f"{getattr(o, '__name__', o)}.{n}" for o, n in internals.PRIVATE_NAMES],
 )
 def test_private_name_exists(owner, name):
     """Each private name the template uses is still there."""
@@ -65,8 +67,9 @@ def test_launcher_check_and_processes():
     assert not internals.is_subprocess_launcher(object()) and internals.launched_processes(None) == []
 
 
-def test_last_checkpoint_helpers_answer_for_a_fresh_callback():
-    """With no save yet, a ModelCheckpoint saves on validation end by default and would save last now."""
+def test_save_point_follows_validation():
+    """A ModelCheckpoint saves at the end of the training epoch when there is no validation to wait for,
+    and after validation when it is told to."""
     t = trainer()
-    callback = ModelCheckpoint(save_last=True)
-    assert internals.saves_on_train_epoch_end(callback, t) is False, VERSIONS
+    assert internals.saves_on_train_epoch_end(ModelCheckpoint(), t) is True, VERSIONS
+    assert internals.saves_on_train_epoch_end(ModelCheckpoint(save_on_train_epoch_end=False), t) is False

@@ -19,6 +19,7 @@ def test_splits_are_disjoint_and_sized():
     """Train/val/test are 1079/359/359 distinct samples, the same for the same split seed."""
     dm = DigitsDataModule()
     dm.setup("fit")
+    dm.setup("test")
     parts = [set(s.indices) for s in (dm.train_set, dm.val_set, dm.test_set)]
     assert [len(p) for p in parts] == [1079, 359, 359]
     assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
