@@ -32,11 +32,14 @@ from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
 
 TESTS = Path(__file__).resolve().parent
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
-# STEPS steps. Measured on CPU (README): float64 ~1e-15, float32 ~2e-6 (AdamW turns rounding-level
-# gradient differences into slightly larger weight differences). The GPU bounds are not measured here.
+# 2 epochs. Measured on CPU with the digits example (AdamW, 32 steps), seeds 0-7: float64 at most
+# 1.2e-13, float32 at most 8.4e-5 (seed 7; 5 of 8 seeds exceed 1e-5: AdamW divides by sqrt(v), so
+# parameters with tiny gradients turn rounding into visible update differences). float64 is the strict
+# check; the float32 bound is 2.4x the worst seed. A wider model (3 x 512) reached 0.2 in float32 at
+# seed 0 while float64 agreed to 2e-13: for big models trust float64. GPU bounds are not measured here.
 BOUNDS = {
     ("cpu", "64-true"): 1e-12,
-    ("cpu", "32-true"): 1e-5,
+    ("cpu", "32-true"): 2e-4,
     ("gpu", "32-true"): 1e-4,
     ("gpu", "bf16-mixed"): 5e-2,
 }
