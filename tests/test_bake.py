@@ -65,7 +65,7 @@ COMMON = {
     "tests/test_lightning_internals.py",
     "tests/test_multinode.py",
     "tests/test_parity.py",
-    "tests/test_resume.py",
+    "tests/runs.py",
     "tests/test_sampling.py",
     "tests/test_sharded.py",
     "tests/examples/digits.yaml",
@@ -244,24 +244,6 @@ def test_ci_runs_the_readme_test_command():
     assert ci.index("python3 -m venv") < ci.index("source") < ci.index(command)
 
 
-def test_workflow_steps_pass_in_a_fresh_environment(lm_project, tmp_path):
-    """The baked workflow's steps, as written, pass in a new virtual environment: install, ruff, the suite
-    (of a project with the LM example, so its tests run too; the own-model test below runs one without).
-
-    Only the torch step changes: this machine installs the same torch==2.13.0 CPU wheel from its own disk
-    instead of downloading it. Everything else the suite needs must come from `pip install -e ".[dev]"`.
-    """
-    project = Path(shutil.copytree(lm_project, tmp_path / lm_project.name))
-    steps = workflow_steps(project)
-    env = fresh_env(tmp_path / "venv")
-    local_torch = steps[0].split(" --index-url")[0]  # the same pin, from this machine's own wheel
-    for step in [local_torch, *steps[1:]]:
-        result = run(["bash", "-c", step], project, timeout=1200, env=env)
-        print(f"$ {step}\n{result.stdout[-3000:]}")
-        assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
-    assert steps[-1] == "pytest" and " passed" in result.stdout and " failed" not in result.stdout
-
-
 OWN_DATA = '''
 """A data module written from scratch: noisy samples of a wave, as dict batches."""
 
@@ -360,6 +342,41 @@ class WaveRegressor(L.LightningModule):
 '''
 
 
+BUGGY = '''
+"""Classic DDP bugs in the user's module: each trains fine on 1 device and differently on 2."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from my_project.wave_model import WaveRegressor
+
+
+class SumLoss(WaveRegressor):
+    """Sums the loss over the batch: DDP averages gradients over ranks, so 2 devices take half the step."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = F.mse_loss(self(batch["x"]), batch["y"], reduction="sum")
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class UnsyncedBatchNorm(WaveRegressor):
+    """BatchNorm without SyncBatchNorm: each rank normalizes with its own half of the batch."""
+
+    def __init__(self, width: int = 32, lr: float = 1e-2) -> None:
+        super().__init__(width, lr)
+        self.net = nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, 1))
+
+
+class UnsyncedMetric(WaveRegressor):
+    """Logs each batch's validation loss without sync_dist: every rank reports the loss of its own half."""
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self(batch["x"]), batch["y"]))
+'''
+
+
 def point_config_at(project: Path, model: str, data: str, monitor: str, mode: str) -> None:
     """Edit config.yaml as a user would: another model and data class, another monitored metric."""
     config = (project / "config.yaml").read_text()
@@ -368,21 +385,63 @@ def point_config_at(project: Path, model: str, data: str, monitor: str, mode: st
     (project / "config.yaml").write_text(f"{head}\nmodel:\n  class_path: {model}\n\ndata:\n  class_path: {data}\n")
 
 
-def test_own_model_and_data_keep_the_guarantees(tmp_path):
-    """A model and a data module written from scratch (dict batches, dropout, val_loss), config.yaml pointed at
-    them: the project's own suite, unedited, passes in a fresh environment with what the project declares."""
-    project = bake(tmp_path, project_name="My Project")
+@pytest.fixture(scope="module")
+def own_project(tmp_path_factory) -> tuple[Path, dict, list[str]]:
+    """A project baked with the LM example, a model and a data module of the user's own written from scratch
+    in new files (dict batches, dropout, val_loss; the data module subclasses the base, nothing subclasses
+    the example) and config.yaml pointed at them, installed by the baked workflow's own install steps in a
+    new virtual environment. Returns the project, that environment, and the workflow's remaining steps.
+
+    Only the torch step changes: this machine installs the same torch==2.13.0 CPU wheel from its own disk
+    instead of downloading it. Everything else must come from `pip install -e ".[dev]"`.
+    """
+    base = tmp_path_factory.mktemp("own")
+    project = bake(base, project_name="My Project", lm_example="yes")
     (project / "my_project" / "wave_data.py").write_text(OWN_DATA.lstrip())
     (project / "my_project" / "wave_model.py").write_text(OWN_MODEL.lstrip())
+    (project / "my_project" / "buggy.py").write_text(BUGGY.lstrip())
     point_config_at(
         project, "my_project.wave_model.WaveRegressor", "my_project.wave_data.WaveData", "val_loss", "min"
     )
-    env = fresh_env(tmp_path / "venv")
-    for step in ["pip install torch==2.13.0", 'pip install -e ".[dev]"', "python -m pytest -p no:cacheprovider"]:
+    env = fresh_env(base / "venv")
+    steps = workflow_steps(project)
+    assert steps[1] == 'pip install -e ".[dev]"'
+    local_torch = steps[0].split(" --index-url")[0]  # the same pin, from this machine's own wheel
+    for step in [local_torch, steps[1]]:
+        result = run(["bash", "-c", step], project, timeout=600, env=env)
+        assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
+    return project, env, steps[2:]
+
+
+def test_own_model_and_data_keep_the_guarantees(own_project):
+    """The workflow's remaining steps as written (ruff, the project's whole suite, unedited) pass on the user's
+    classes; only GPU tests and sharding (the module does not shard its layers) skip."""
+    project, env, steps = own_project
+    assert steps == ["ruff check .", "pytest"]
+    for step in steps:
         result = run(["bash", "-c", step], project, timeout=1200, env=env)
         print(f"$ {step}\n{result.stdout[-3000:]}")
         assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
     assert " passed" in result.stdout and " failed" not in result.stdout
-    # The guarantee tests ran on the user's classes: only GPU tests and sharding (no configure_model) skip.
     skips = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all(("GPU" in s or "CUDA" in s or "does not shard its layers" in s) for s in skips), skips
+
+
+@pytest.mark.parametrize(
+    ("bug", "caught_by"),
+    [
+        ("SumLoss", ["test_logged_scalars_match_every_step[fp64]", "test_weights_match_1_vs_2_devices[fp64]"]),
+        ("UnsyncedBatchNorm", ["test_weights_match_1_vs_2_devices[fp64]", "test_torchrun_matches_lightning"]),
+        ("UnsyncedMetric", ["test_eval_metrics_count_each_sample_once[val]"]),
+    ],
+)
+def test_parity_suite_fails_on_classic_ddp_bugs(own_project, bug, caught_by):
+    """The project's parity tests, run on the user's module with one classic DDP bug, fail on that bug."""
+    project, env, _ = own_project
+    env = {**env, "PARITY_ARGS": f"--model my_project.buggy.{bug}"}
+    result = run(["bash", "-c", "pytest tests/test_parity.py -q -rf -p no:cacheprovider"], project, 900, env)
+    print(result.stdout[-3000:])
+    failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("FAILED ")]
+    assert result.returncode == 1 and failed, result.stdout[-6000:]
+    for name in caught_by:
+        assert any(name in f for f in failed), (name, failed)

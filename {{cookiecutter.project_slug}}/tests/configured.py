@@ -4,6 +4,7 @@
 subprocess (building a Trainer in the test process would set up its environment there).
 """
 
+import inspect
 import json
 import subprocess
 import sys
@@ -34,6 +35,8 @@ def _measure(args: list[str]) -> dict:
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "data": f"{type(data).__module__}.{type(data).__qualname__}",
         "global_batch_data": isinstance(data, GlobalBatchDataModule),
+        # The accumulation runs set --data.micro_batch_size, which exists only if the class takes it.
+        "takes_micro_batch_size": "micro_batch_size" in inspect.signature(type(data).__init__).parameters,
         # Sharding needs the module to shard its own layers (ModelParallelStrategy does not do it for it).
         "shards_layers": type(model).configure_model is not L.LightningModule.configure_model,
     }

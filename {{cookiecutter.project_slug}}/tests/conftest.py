@@ -2,6 +2,7 @@
 
 import pytest
 from configured import describe
+from runs import cpu_runs, steps  # noqa: F401  (session fixtures: the shared real runs)
 
 
 @pytest.fixture(scope="session")

@@ -44,25 +44,35 @@ def sample_keys(batch: Any) -> list[str]:
     return [hashlib.sha1(b"".join(t[i].numpy().tobytes() for t in tensors)).hexdigest() for i in range(len(tensors[0]))]
 
 
-class Probe(L.Callback):
-    """Records training samples per step, logged metrics and evaluation sample counts, per rank.
+class NoDropout(L.Callback):
+    """Sets the rate of every dropout layer to 0 when fit starts, for runs that must train the same weights.
 
-    It also sets the rate of every dropout layer to 0: dropout draws a different mask for a sample on
-    2 ranks than on 1 device (each rank has its own random stream), which is randomness, not a DDP bug.
-    Functional dropout (`F.dropout` in forward) is not reached: use `nn.Dropout` modules.
+    Dropout draws a different mask for a sample on 2 ranks than on 1 device (each rank has its own random
+    stream): that is randomness, not a DDP bug, and it would hide real differences. Functional dropout
+    (`F.dropout` in forward) is not reached: use `nn.Dropout` modules.
     """
-
-    def __init__(self) -> None:
-        self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
-        self.eval_samples = 0
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for module in pl_module.modules():
             if isinstance(module, DROPOUT):
                 module.p = 0.0
+
+
+class Probe(NoDropout):
+    """Records training samples per step, logged metrics and evaluation sample counts, per rank; no dropout.
+
+    Args:
+        save_at_steps: Global steps after which to save a checkpoint to probe/step<k>.ckpt (mid-epoch
+            resume points), the way ModelCheckpoint saves one with every_n_train_steps.
+    """
+
+    def __init__(self, save_at_steps: list[int] | None = None) -> None:
+        self.save_at_steps = set(save_at_steps or ())
+        self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
+        self.eval_samples = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self.record["batches"].setdefault(str(trainer.current_epoch), []).append(sample_keys(batch))
@@ -71,6 +81,9 @@ class Probe(L.Callback):
         # What this rank's module logged this step (after any sync), at full precision.
         logged = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         self.record["train"].append({"step": trainer.global_step, **logged})
+        if trainer.global_step in self.save_at_steps:
+            self.save_at_steps.remove(trainer.global_step)  # once: micro-batches of one step share its number
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / "probe" / f"step{trainer.global_step}.ckpt")
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.eval_samples = 0

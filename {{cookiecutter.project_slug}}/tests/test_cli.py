@@ -3,9 +3,10 @@
 import importlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import run_main, run_ok
+from helpers import run_ok
 
 
 @pytest.fixture(scope="module")
@@ -36,41 +37,29 @@ def test_fit_writes_logs_config_and_checkpoints_under_root(fitted):
     assert len(ckpts) == 2 and ckpts[1] == "last.ckpt" and ckpts[0].startswith("best-epoch")
 
 
-@pytest.mark.parametrize("command", ["validate", "test", "predict"])
-def test_other_subcommands_run_from_a_checkpoint(fitted, command):
-    """validate, test and predict load the trained weights and finish."""
+@pytest.fixture(scope="module")
+def subcommands(fitted) -> dict[str, str]:
+    """validate, test and predict from the fit's last.ckpt, all at once (each is one process, mostly start-up)."""
     root, _ = fitted
     ckpt = root / "lightning_logs/version_0/checkpoints/last.ckpt"
-    out = run_ok(
-        command,
-        "--trainer.accelerator",
-        "cpu",
-        "--ckpt_path",
-        str(ckpt),
-        "--trainer.default_root_dir",
-        str(root / command),
-        cwd=root,
-    )
+
+    def run(command: str) -> str:
+        cpu = ("--trainer.accelerator", "cpu", "--ckpt_path", str(ckpt))
+        return run_ok(command, *cpu, "--trainer.default_root_dir", str(root / command), cwd=root)
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(zip(COMMANDS, pool.map(run, COMMANDS), strict=True))
+
+
+COMMANDS = ("validate", "test", "predict")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_other_subcommands_run_from_a_checkpoint(subcommands, command):
+    """validate, test and predict load the trained weights and finish."""
+    out = subcommands[command]
     if command != "predict":  # Lightning's table of the metrics the module logged
         assert f"{'Test' if command == 'test' else 'Validate'} metric" in out
-
-
-def test_indivisible_global_batch_fails_with_message(global_batch, tmp_path):
-    """2 processes cannot share a global batch of 63: exit non-zero and say what to use."""
-    result = run_main(
-        "fit",
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "2",
-        "--data.global_batch_size",
-        "63",
-        "--trainer.default_root_dir",
-        str(tmp_path),
-        cwd=tmp_path,
-    )
-    assert result.returncode != 0
-    assert "global_batch_size=63 does not divide evenly over 2 processes" in result.stdout
 
 
 def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(monkeypatch):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -110,37 +111,59 @@ def test_overlapping_all_reduces_count_once():
 
 
 # ---- real 2-process runs with a known cause ----------------------------------------------------------------
-def doctor_fit(root: Path, *args: str) -> tuple[dict, str]:
-    """Fit on 2 CPU processes; return the doctor's JSON summary and the printed output."""
+def doctor_fit(root: Path, *args: str) -> tuple[dict | None, str]:
+    """Fit on 2 CPU processes; return the doctor's JSON summary (None if it wrote none) and the printed output."""
     out = run_ok(*FIT, *TOY, *args, "--trainer.default_root_dir", str(root), cwd=root, env=CASES, timeout=300)
-    return json.loads((root / "lightning_logs/version_0/doctor.json").read_text()), out
+    summaries = list(root.rglob("doctor.json"))
+    return (json.loads(summaries[0].read_text()) if summaries else None), out
+
+
+CAUSES = {
+    # 2 ms of loading per sample, 8 samples per device and step: ~16 ms waiting per step.
+    "data-bound": ("--data", "doctor_cases.SlowData"),
+    # 4.3 M parameters (17 MB of gradients) and 2 samples per device: the all-reduce dominates.
+    "comm-bound": ("--model", "doctor_cases.WideModel", "--data.global_batch_size", "4"),
+    # Rank 1 keeps an extra 400 MB tensor.
+    "memory": ("--model", "doctor_cases.MemoryHog"),
+    # Rank 1 sleeps 100 ms in every training step; the doctor also reports every 10 batches.
+    "straggler": ("--model", "doctor_cases.Straggler", "--doctor.report_every_n_steps", "10"),
+    # No cause: the doctor switched off.
+    "off": ("--doctor.enabled", "false"),
+}
 
 
 @pytest.fixture(scope="module")
-def data_bound(tmp_path_factory):
-    """2 ms of loading per sample, 8 samples per device and step: ~16 ms waiting per step."""
-    return doctor_fit(tmp_path_factory.mktemp("data"), "--data", "doctor_cases.SlowData")
+def causes(tmp_path_factory) -> dict[str, tuple[dict, str]]:
+    """The runs at once (10 processes on this machine's cores): each cause is large enough to stand
+    out on a busy machine, and most of a short run is start-up that would otherwise run one at a time."""
+    base = tmp_path_factory.mktemp("causes")
+
+    def fit(name: str) -> tuple[dict, str]:
+        (base / name).mkdir()
+        return doctor_fit(base / name, *CAUSES[name])
+
+    with ThreadPoolExecutor(len(CAUSES)) as pool:
+        return dict(zip(CAUSES, pool.map(fit, CAUSES), strict=True))
 
 
-@pytest.fixture(scope="module")
-def comm_bound(tmp_path_factory):
-    """4.3 M parameters (17 MB of gradients) and 2 samples per device: the all-reduce dominates."""
-    root = tmp_path_factory.mktemp("comm")
-    return doctor_fit(root, "--model", "doctor_cases.WideModel", "--data.global_batch_size", "4")
+@pytest.fixture
+def data_bound(causes):
+    return causes["data-bound"]
 
 
-@pytest.fixture(scope="module")
-def memory_hog(tmp_path_factory):
-    """Rank 1 keeps an extra 400 MB tensor."""
-    return doctor_fit(tmp_path_factory.mktemp("memory"), "--model", "doctor_cases.MemoryHog")
+@pytest.fixture
+def comm_bound(causes):
+    return causes["comm-bound"]
 
 
-@pytest.fixture(scope="module")
-def straggler(tmp_path_factory):
-    """Rank 1 sleeps 100 ms in every training step; the doctor also reports every 10 batches."""
-    root = tmp_path_factory.mktemp("straggler")
-    every_10 = ("--doctor.report_every_n_steps", "10")
-    return doctor_fit(root, "--model", "doctor_cases.Straggler", *every_10)
+@pytest.fixture
+def memory_hog(causes):
+    return causes["memory"]
+
+
+@pytest.fixture
+def straggler(causes):
+    return causes["straggler"]
 
 
 def test_report_is_printed_once_with_a_row_per_rank(data_bound):
@@ -189,22 +212,10 @@ def test_periodic_reports_cover_their_window(straggler):
     assert heads == [f"Scaling doctor: 2 x cpu, {n}" for n in (7, 10, 17)]
 
 
-def test_doctor_can_be_switched_off(tmp_path):
+def test_doctor_can_be_switched_off(causes):
     """`--doctor.enabled false` gives no report and no summary file."""
-    out = run_ok(
-        "fit",
-        *TOY,
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.max_steps",
-        "5",
-        "--doctor.enabled",
-        "false",
-        "--trainer.default_root_dir",
-        str(tmp_path),
-        cwd=tmp_path,
-    )
-    assert "Scaling doctor" not in out and not list(tmp_path.rglob("doctor.json"))
+    summary, out = causes["off"]
+    assert summary is None and "Scaling doctor" not in out
 
 
 # ---- the sweep, a healthy run, the preflight, the overhead -------------------------------------------------

@@ -17,21 +17,19 @@ from fake_cluster import (
     start,
     wait_for,
 )
-from helpers import run_ok
 
 from {{ cookiecutter.package_name }}.ddp.requeue import next_hpc_checkpoint
 
 # float64 and 2 epochs (32 steps, across an epoch boundary): equal weights up to float64 rounding.
 TRAIN = ["--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"]
 TRAIN += ["--trainer.enable_progress_bar", "false", "--trainer.callbacks+=rank_probe.RankProbe"]
+TRAIN += ["--trainer.callbacks+=parity_probe.NoDropout"]  # as in the reference run (parity_probe.Probe)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, global_batch):
-    """Weights after the same training on 1 device."""
-    root = tmp_path_factory.mktemp("reference")
-    run_ok("fit", *TRAIN, "--trainer.default_root_dir", str(root), cwd=root, env=base_env(), timeout=240)
-    return last_weights(root, 2 * global_batch["steps_per_epoch"])
+def reference(cpu_runs, global_batch):
+    """Weights after the same training on 1 device (the parity tests' float64 run, tests/runs.py)."""
+    return last_weights(cpu_runs["1dev-fp64"].root, 2 * global_batch["steps_per_epoch"])
 
 
 def probes(text: str) -> list[str]:

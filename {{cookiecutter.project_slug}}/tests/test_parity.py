@@ -1,36 +1,23 @@
-"""1 device and 2 devices train the same model: weights, logged losses, metrics, data shards, files, resumes.
+"""1 device and 2 devices train the same model: weights, logged values, metrics, data shards, files, resumes.
 
-Every test reads one session-scoped set of real `main.py` runs (`cpu_runs`) of
-whatever config.yaml selects (your model and data once you point it at them),
-2 epochs across an epoch boundary; the sizes and steps come from the configured
-data module (tests/configured.py). DDP runs on CPU processes over gloo; the
-CUDA/NCCL variants at the end run only where 2 GPUs are visible.
+Every test reads the session's shared runs (tests/runs.py) of whatever config.yaml selects (your
+model and data once you point it at them), 2 epochs across an epoch boundary. DDP runs on CPU
+processes over gloo; the CUDA/NCCL variants at the end run only where 2 GPUs are visible.
 
-Dropout: the probe sets every `nn.Dropout` rate to 0 for these runs (random masks
-differ between 1 and 2 devices by design; that is not a DDP bug).
-
-Add arguments to every run (another model, a smaller set):
-    PARITY_ARGS="--model my_model.MyModel" pytest tests/test_parity.py
+Dropout: the probe sets every `nn.Dropout` rate to 0 for these runs (random masks differ between
+1 and 2 devices by design; that is not a DDP bug).
 """
 
-import json
-import os
 import re
-import shlex
-import sys
-import time
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAIN, finish, kill, start
+from runs import Run, fit, main_cmd, run_all
 
-from {{ cookiecutter.package_name }}.ddp.parity import diff, load_weights, read_scalars, report, scalar_diffs, weight_diffs
+from {{ cookiecutter.package_name }}.ddp.parity import diff, read_scalars, report, scalar_diffs, weight_diffs
 from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
 
-TESTS = Path(__file__).resolve().parent
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
 # 2 epochs. Measured on CPU with the digits example (AdamW, 32 steps), seeds 0-7: float64 at most
 # 1.2e-13, float32 at most 8.4e-5 (seed 7; 5 of 8 seeds exceed 1e-5: AdamW divides by sqrt(v), so
@@ -47,113 +34,6 @@ BOUNDS = {
 # adding them at once may round apart (measured: equal in float64 runs, 8e-8 in float32 runs).
 METRIC_STATE_ROUNDING = 1e-6
 FLOAT32_STORAGE = 2.5e-7  # TensorBoard stores float32: two equal-up-to-1e-15 doubles may round 1 ulp apart
-RUN_ARGS = (
-    "--trainer.max_epochs",
-    "2",
-    "--trainer.log_every_n_steps",
-    "1",  # every step's loss reaches the logger
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--trainer.callbacks+=parity_probe.Probe",
-    # An epoch-end checkpoint of every epoch, for the resume tests.
-    "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-    "--trainer.callbacks.save_top_k=-1",
-    *shlex.split(os.environ.get("PARITY_ARGS", "")),
-)
-
-
-def epoch_ckpt(epoch: int, steps_per_epoch: int) -> str:
-    """The name Lightning's ModelCheckpoint gives the checkpoint at the end of `epoch`."""
-    return f"epoch={epoch}-step={(epoch + 1) * steps_per_epoch}.ckpt"
-
-
-@dataclass
-class Run:
-    """One finished run of main.py under its own root directory."""
-
-    root: Path
-
-    @property
-    def version(self) -> Path:
-        return self.root / "lightning_logs" / "version_0"
-
-    def checkpoint(self, name: str = "last.ckpt") -> Path:
-        return self.version / "checkpoints" / name
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return load_weights(self.checkpoint())
-
-    def probe(self, stage: str = "fit", rank: int = 0) -> dict:
-        return json.loads((self.root / "probe" / f"{stage}-rank{rank}.json").read_text())
-
-
-def main_cmd(*args: str) -> list[str]:
-    return [sys.executable, str(MAIN), *args]
-
-
-def torchrun_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(MAIN), *args]
-
-
-def fit(accelerator: str, devices: int, precision: str, *extra: str) -> list[str]:
-    return [
-        "fit",
-        *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
-        *("--trainer.precision", precision, *RUN_ARGS, *extra),
-    ]
-
-
-def run_all(commands: dict[str, list[str]], base: Path, timeout: float = 420) -> dict[str, Run]:
-    """Run the commands at once, each in base/<name>, within `timeout` seconds for all; fail (and kill
-    the rest) on any non-zero exit."""
-    # PYTHONPATH: main.py imports the probe from tests/. One thread per process: runs share the cores.
-    path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    procs = {}
-    try:
-        for name, cmd in commands.items():
-            root = base / name
-            root.mkdir()
-            procs[name] = start([*cmd, "--trainer.default_root_dir", str(root)], root, env)
-        deadline = time.monotonic() + timeout
-        for name, proc in procs.items():
-            result = finish(proc, max(1.0, deadline - time.monotonic()))
-            assert result.returncode == 0, f"run {name} exited {result.returncode}:\n{result.stdout[-4000:]}"
-    finally:
-        for proc in procs.values():
-            kill(proc)
-    return {name: Run(base / name) for name in commands}
-
-
-@pytest.fixture(scope="session")
-def cpu_runs(tmp_path_factory, global_batch) -> dict[str, Run]:
-    """Every CPU run the tests compare, in two waves: the second starts from the first's checkpoints."""
-    base = tmp_path_factory.mktemp("parity")
-    epoch_0 = epoch_ckpt(0, global_batch["steps_per_epoch"])
-    runs = run_all(
-        {
-            "1dev-fp64": main_cmd(*fit("cpu", 1, "64-true")),
-            "2dev-fp64": main_cmd(*fit("cpu", 2, "64-true")),  # Lightning's own launcher
-            "1dev-fp32": main_cmd(*fit("cpu", 1, "32-true")),
-            "2dev-fp32": main_cmd(*fit("cpu", 2, "32-true")),
-            "torchrun-fp64": torchrun_cmd(*fit("cpu", 2, "64-true")),
-        },
-        base,
-    )
-    one, two = runs["1dev-fp64"], runs["2dev-fp64"]
-    test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *RUN_ARGS)
-    runs |= run_all(
-        {
-            "resume-2to1": main_cmd(*fit("cpu", 1, "64-true", "--ckpt_path", str(two.checkpoint(epoch_0)))),
-            "resume-1to2": main_cmd(*fit("cpu", 2, "64-true", "--ckpt_path", str(one.checkpoint(epoch_0)))),
-            "test-1dev": main_cmd(*test, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
-            "test-2dev": main_cmd(*test, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
-        },
-        base,
-    )
-    return runs
 
 
 def assert_weights_close(a: Run, b: Run, bound: float) -> None:
@@ -167,11 +47,10 @@ def assert_scalars_close(a: Run, b: Run, bound: float) -> None:
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
-def test_weights_match_1_vs_2_devices(cpu_runs, global_batch, precision):
+def test_weights_match_1_vs_2_devices(cpu_runs, steps, precision):
     """After 2 epochs every parameter matches within the precision's bound."""
     one, two = cpu_runs[f"1dev-{precision}"], cpu_runs[f"2dev-{precision}"]
-    for run in (one, two):
-        assert torch.load(run.checkpoint(), weights_only=False)["global_step"] == 2 * global_batch["steps_per_epoch"]
+    assert one.global_step() == two.global_step() == 2 * steps["steps_per_epoch"]
     assert_weights_close(one, two, BOUNDS["cpu", "64-true" if precision == "fp64" else "32-true"])
 
 
@@ -254,6 +133,11 @@ def test_global_batches_equal_1_device_and_reshuffle_each_epoch(cpu_runs, global
     assert [Counter(b) for b in one["0"]] != [Counter(b) for b in one["1"]]
 
 
+def epoch_ckpt(epoch: int, steps_per_epoch: int) -> str:
+    """The name Lightning's ModelCheckpoint gives the checkpoint at the end of `epoch`."""
+    return f"epoch={epoch}-step={(epoch + 1) * steps_per_epoch}.ckpt"
+
+
 def files_written(run: Run) -> list[str]:
     """Every file a run wrote outside the probe's, with the run-specific parts of the names cut
     (TensorBoard's time, host and process; the best checkpoint's epoch and score)."""
@@ -280,13 +164,35 @@ def test_2_devices_write_one_set_of_files(cpu_runs, global_batch):
     assert events.name.split(".")[-2] == str(two.probe(rank=0)["pid"])
 
 
-@pytest.mark.parametrize("run", ["resume-2to1", "resume-1to2"])
-def test_epoch_end_checkpoint_resumes_on_other_device_count(cpu_runs, global_batch, run):
-    """The epoch-1 checkpoint of 1 (2) devices, resumed on 2 (1), trains epoch 2 to the uninterrupted weights."""
-    resumed, steps = cpu_runs[run], global_batch["steps_per_epoch"]
-    assert torch.load(resumed.checkpoint(), weights_only=False)["global_step"] == 2 * steps
-    assert len(resumed.probe()["train"]) == steps  # only the second epoch was trained
+def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
+    """The checkpoint 3/4 into epoch 0 holds the train loader's position: epoch 0, that many global batches."""
+    if steps["steps_per_epoch"] < 4:
+        pytest.skip(f"{steps['steps_per_epoch']} steps per epoch: the resume points fall on epoch ends")
+    k = steps["two_to_one"]
+    ckpt = torch.load(cpu_runs["2dev-fp64"].mid_checkpoint(k), map_location="cpu", weights_only=False)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "global_batches_done": k}]
+
+
+@pytest.mark.parametrize(("run", "start"), [("resume-2to1", "two_to_one"), ("resume-1to2", "one_to_two")])
+def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, steps, run, start):
+    """2 devices' checkpoint from 3/4 into epoch 0 resumed on 1 device, and 1 device's from 1/4 into epoch 1
+    resumed on 2: each trains only the remaining steps and ends with the uninterrupted weights."""
+    resumed, total = cpu_runs[run], 2 * steps["steps_per_epoch"]
+    assert resumed.global_step() == total
+    assert [r["step"] for r in resumed.probe()["train"]] == list(range(steps[start] + 1, total + 1))
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
+
+
+@pytest.mark.parametrize("run", ["1dev-acc4-fp64", "2dev-acc2-fp64"])
+def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
+    """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights."""
+    if not steps["micro_batch_size"]:
+        pytest.skip("the configured data module takes no micro_batch_size, or its global batch is not a multiple of 4")
+    accumulated = cpu_runs[run]
+    assert accumulated.global_step() == 2 * steps["steps_per_epoch"]
+    micro_batches = len(accumulated.probe()["batches"]["0"])  # forward passes of one rank in epoch 0
+    assert micro_batches == (4 if run.startswith("1dev") else 2) * steps["steps_per_epoch"]
+    assert_weights_close(cpu_runs["1dev-fp64"], accumulated, BOUNDS["cpu", "64-true"])
 
 
 def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs):
@@ -323,14 +229,14 @@ GPU_PRECISIONS = ["32-true", "bf16-mixed"]
 
 
 @pytest.fixture(scope="session")
-def gpu_runs(tmp_path_factory, global_batch) -> dict[str, Run]:
+def gpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
     """1-GPU and 2-GPU runs per precision, one after another (they share the GPUs)."""
     base = tmp_path_factory.mktemp("parity-gpu")
     runs = {}
     for precision in GPU_PRECISIONS:
         for devices in (1, 2):
             name = f"{devices}gpu-{precision}"
-            runs |= run_all({name: main_cmd(*fit("gpu", devices, precision))}, base)
+            runs |= run_all({name: main_cmd(*fit(steps, "gpu", devices, precision))}, base)
     return runs
 
 

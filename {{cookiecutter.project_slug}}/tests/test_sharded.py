@@ -8,24 +8,33 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # ModelParallelStrategy has no float64; float32 on CPU, 2 epochs.
 CPU = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"]
+CPU += ["--trainer.callbacks+=parity_probe.NoDropout"]  # as in the reference run (parity_probe.Probe)
+TESTS_ON_PATH = {"PYTHONPATH": str(PROJECT / "tests")}
 SHARDED = ["--config", "configs/model_parallel.yaml", *CPU]
 
 
 @pytest.fixture(scope="module")
-def ddp_weights(tmp_path_factory, configured):
-    """Weights after 2 epochs of DDP on 1 device."""
+def ddp_weights(configured, request):
+    """Weights after 2 epochs of DDP on 1 device in float32 (the parity tests' run, tests/runs.py)."""
     if not configured["shards_layers"] or not configured["global_batch_data"]:
         pytest.skip(f"{configured['model']} does not shard its layers in configure_model (see ddp/sharding.py)")
-    root = tmp_path_factory.mktemp("ddp")
-    run_ok("fit", *CPU, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(root), cwd=root, timeout=240)
-    return last_weights(root, 2 * configured["steps_per_epoch"])
+    run = request.getfixturevalue("cpu_runs")["1dev-fp32"]
+    return last_weights(run.root, 2 * configured["steps_per_epoch"])
 
 
 def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(ddp_weights, tmp_path):
     """Epoch 1 sharded over 2 processes, epoch 2 resumed from its sharded checkpoint on 1: DDP's weights."""
     two, one = tmp_path / "two", tmp_path / "one"
     run_ok(
-        "fit", *SHARDED, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(two), cwd=PROJECT, timeout=300
+        "fit",
+        *SHARDED,
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.default_root_dir",
+        str(two),
+        cwd=PROJECT,
+        env=TESTS_ON_PATH,
+        timeout=300,
     )
     sharded = two / "lightning_logs/version_0/checkpoints/last.ckpt"
     assert sorted(p.name for p in sharded.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one per rank
@@ -43,6 +52,7 @@ def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(ddp_weights, tmp_
         "--trainer.default_root_dir",
         str(one),
         cwd=PROJECT,
+        env=TESTS_ON_PATH,
         timeout=300,
     )
     dcp_to_torch_save(one / "lightning_logs/version_0/checkpoints/last.ckpt", tmp_path / "full.pt")

@@ -1,0 +1,164 @@
+"""The real `main.py` runs the guarantee tests share, made once per session (`cpu_runs`).
+
+Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
+1 and 2 devices in float64 and float32, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
+2 devices x 2), runs resumed mid-epoch on the other device count, and `test` on 1 and 2 devices.
+test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
+data module (tests/configured.py).
+
+Add arguments to every run (another model, a smaller set):
+    PARITY_ARGS="--model my_model.MyModel" pytest tests/test_parity.py
+"""
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MAIN, finish, kill, start
+
+from {{ cookiecutter.package_name }}.ddp.parity import load_weights
+
+TESTS = Path(__file__).resolve().parent
+
+
+@dataclass
+class Run:
+    """One finished run of main.py under its own root directory."""
+
+    root: Path
+
+    @property
+    def version(self) -> Path:
+        return self.root / "lightning_logs" / "version_0"
+
+    def checkpoint(self, name: str = "last.ckpt") -> Path:
+        return self.version / "checkpoints" / name
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_weights(self.checkpoint())
+
+    def global_step(self) -> int:
+        return torch.load(self.checkpoint(), map_location="cpu", weights_only=False)["global_step"]
+
+    def probe(self, stage: str = "fit", rank: int = 0) -> dict:
+        return json.loads((self.root / "probe" / f"{stage}-rank{rank}.json").read_text())
+
+    def mid_checkpoint(self, step: int) -> Path:
+        """The checkpoint the probe saved after `step` (parity_probe.Probe's save_at_steps)."""
+        return self.root / "probe" / f"step{step}.ckpt"
+
+
+def plan(configured: dict) -> dict:
+    """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1/4 into epoch 1 (with
+    fewer than 4 steps per epoch the resume points fall on epoch ends); accumulate with micro-batches of
+    a quarter of the global batch when the data module takes a micro_batch_size that divides it."""
+    n, batch = configured["steps_per_epoch"], configured["global_batch_size"]
+    micro = batch // 4 if configured["takes_micro_batch_size"] and batch % 4 == 0 else None
+    return {
+        "steps_per_epoch": n,
+        "two_to_one": max(1, 3 * n // 4),
+        "one_to_two": n + max(1, n // 4),
+        "micro_batch_size": micro,
+    }
+
+
+def run_args(steps: dict) -> list[str]:
+    return [
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.log_every_n_steps",
+        "1",  # every step's loss reaches the logger
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.callbacks+=parity_probe.Probe",
+        f"--trainer.callbacks.save_at_steps=[{steps['two_to_one']}, {steps['one_to_two']}]",
+        # An epoch-end checkpoint of every epoch, besides the configured checkpoint callback.
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.save_top_k=-1",
+        *shlex.split(os.environ.get("PARITY_ARGS", "")),
+    ]
+
+
+def main_cmd(*args: str) -> list[str]:
+    return [sys.executable, str(MAIN), *args]
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(MAIN), *args]
+
+
+def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str) -> list[str]:
+    return [
+        "fit",
+        *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
+        *("--trainer.precision", precision, *run_args(steps), *extra),
+    ]
+
+
+def run_all(commands: dict[str, list[str]], base: Path, timeout: float = 420) -> dict[str, Run]:
+    """Run the commands at once, each in base/<name>, within `timeout` seconds for all; fail (and kill
+    the rest) on any non-zero exit."""
+    # PYTHONPATH: main.py imports the probe from tests/. One thread per process: runs share the cores.
+    path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+    procs = {}
+    try:
+        for name, cmd in commands.items():
+            root = base / name
+            root.mkdir()
+            procs[name] = start([*cmd, "--trainer.default_root_dir", str(root)], root, env)
+        deadline = time.monotonic() + timeout
+        for name, proc in procs.items():
+            result = finish(proc, max(1.0, deadline - time.monotonic()))
+            assert result.returncode == 0, f"run {name} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    finally:
+        for proc in procs.values():
+            kill(proc)
+    return {name: Run(base / name) for name in commands}
+
+
+@pytest.fixture(scope="session")
+def steps(global_batch) -> dict:
+    return plan(global_batch)
+
+
+@pytest.fixture(scope="session")
+def cpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
+    """Every CPU run the tests compare, in two waves: the second starts from the first's checkpoints."""
+    base = tmp_path_factory.mktemp("runs")
+    first = {
+        "1dev-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true")),
+        "2dev-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true")),  # Lightning's own launcher
+        "1dev-fp32": main_cmd(*fit(steps, "cpu", 1, "32-true")),
+        "2dev-fp32": main_cmd(*fit(steps, "cpu", 2, "32-true")),
+        "torchrun-fp64": torchrun_cmd(*fit(steps, "cpu", 2, "64-true")),
+    }
+    if steps["micro_batch_size"]:
+        micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
+        first["1dev-acc4-fp64"] = main_cmd(*fit(steps, "cpu", 1, "64-true", *micro))
+        first["2dev-acc2-fp64"] = main_cmd(*fit(steps, "cpu", 2, "64-true", *micro))
+    runs = run_all(first, base)
+    one, two = runs["1dev-fp64"], runs["2dev-fp64"]
+    test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *run_args(steps))
+    runs |= run_all(
+        {
+            "resume-2to1": main_cmd(
+                *fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(two.mid_checkpoint(steps["two_to_one"])))
+            ),
+            "resume-1to2": main_cmd(
+                *fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))
+            ),
+            "test-1dev": main_cmd(*test, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
+            "test-2dev": main_cmd(*test, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
+        },
+        base,
+    )
+    return runs
