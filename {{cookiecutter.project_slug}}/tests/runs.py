@@ -130,26 +130,54 @@ def steps(global_batch) -> dict:
     return plan(global_batch)
 
 
+class Waves:
+    """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
+    selection of tests (`pytest -k ...`) starts only the runs it reads. A wave that fails fails every
+    test that asks for it."""
+
+    def __init__(self, base: Path, waves: list) -> None:
+        self.base, self.waves, self.done = base, waves, {}
+
+    def __getitem__(self, name: str) -> Run:
+        if name not in self.done:
+            (wave,) = [w for w in self.waves if name in w.names]
+            if wave.error:  # started once and failed: not again
+                raise AssertionError(wave.error)
+            try:
+                self.done |= run_all(wave.commands(self), self.base)
+            except AssertionError as error:
+                wave.error = str(error)
+                raise
+        return self.done[name]
+
+
+@dataclass
+class Wave:
+    names: tuple[str, ...]
+    commands: object  # (Waves) -> {name: command}; may read the runs of an earlier wave
+    error: str = ""
+
+
 @pytest.fixture(scope="session")
-def cpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
+def cpu_runs(tmp_path_factory, steps) -> Waves:
     """Every CPU run the tests compare, in two waves: the second starts from the first's checkpoints."""
-    base = tmp_path_factory.mktemp("runs")
+    micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
     first = {
         "1dev-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true")),
         "2dev-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true")),  # Lightning's own launcher
         "1dev-fp32": main_cmd(*fit(steps, "cpu", 1, "32-true")),
         "2dev-fp32": main_cmd(*fit(steps, "cpu", 2, "32-true")),
         "torchrun-fp64": torchrun_cmd(*fit(steps, "cpu", 2, "64-true")),
+        "1dev-acc4-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)),
+        "2dev-acc2-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)),
     }
-    if steps["micro_batch_size"]:
-        micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
-        first["1dev-acc4-fp64"] = main_cmd(*fit(steps, "cpu", 1, "64-true", *micro))
-        first["2dev-acc2-fp64"] = main_cmd(*fit(steps, "cpu", 2, "64-true", *micro))
-    runs = run_all(first, base)
-    one, two = runs["1dev-fp64"], runs["2dev-fp64"]
+    if not steps["micro_batch_size"]:  # the data module takes none, or the global batch has no quarter
+        first = {name: cmd for name, cmd in first.items() if "-acc" not in name}
     test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *run_args(steps))
-    runs |= run_all(
-        {
+
+    def second(runs: Waves) -> dict[str, list[str]]:
+        one, two = runs["1dev-fp64"], runs["2dev-fp64"]
+        return {
             "resume-2to1": main_cmd(
                 *fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(two.mid_checkpoint(steps["two_to_one"])))
             ),
@@ -158,7 +186,10 @@ def cpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
             ),
             "test-1dev": main_cmd(*test, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
             "test-2dev": main_cmd(*test, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
-        },
-        base,
-    )
-    return runs
+        }
+
+    waves = [
+        Wave(tuple(first), lambda runs: first),
+        Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev"), second),
+    ]
+    return Waves(tmp_path_factory.mktemp("runs"), waves)

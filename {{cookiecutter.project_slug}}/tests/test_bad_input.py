@@ -72,6 +72,7 @@ def outcomes(tmp_path_factory):
         return dict(pool.map(run, CASES))
 
 
+@pytest.mark.machinery
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_fails_fast_with_one_line(outcomes, name):
     """Status 2 and an `error:` line naming the problem; no rank 1 process started; no file written."""

@@ -1,7 +1,8 @@
 """Faults in a 2-process job: it ends non-zero, names the rank, leaves no process behind, and keeps its checkpoints.
 
 The scenarios are the ones `faults.py` runs (a test-only model from tests/faulty.py
-injects them); the process-group timeout is 20 s here instead of 300 s.
+injects them); the process-group timeout is 20 s here instead of 300 s. Machinery tests with the
+tests' own model: `pytest -m machinery`.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,8 @@ import torch
 from helpers import PROJECT, run_ok
 
 from faults import checkpoint_ok, run_scenario
+
+pytestmark = pytest.mark.machinery
 
 TIMEOUT = 20  # --dist_timeout of the runs
 BOUND = TIMEOUT + 40  # generous: start-up of a rank on a loaded 2-core machine takes seconds

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from runs import Run, fit, main_cmd, run_all
+from runs import Run, Waves, fit, main_cmd, run_all
 
 from {{ cookiecutter.package_name }}.ddp.parity import diff, read_scalars, report, scalar_diffs, weight_diffs
 from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
@@ -86,7 +86,7 @@ def test_logged_training_values_are_global(cpu_runs, global_batch):
             assert abs(a[key] - b[key]) <= METRIC_STATE_ROUNDING * max(abs(a[key]), 1e-12), (key, a["step"])
 
 
-def eval_records(cpu_runs: dict[str, Run], stage: str) -> tuple[dict, list[dict]]:
+def eval_records(cpu_runs: Waves, stage: str) -> tuple[dict, list[dict]]:
     """A stage's metrics on 1 device and on each of 2 ranks: the last validation of the fits, or the test runs."""
     if stage == "val":
         one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
