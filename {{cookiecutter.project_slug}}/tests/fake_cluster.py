@@ -127,8 +127,3 @@ def last_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
     ckpt = torch.load(last_checkpoint(root), weights_only=True)
     assert ckpt["global_step"] == global_step
     return ckpt["state_dict"]
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

@@ -1,14 +1,18 @@
-"""Bad command-line input fails at once: one `error:` line, status 2, no rank started, nothing written."""
+"""Bad command-line input fails at once: one `error:` line, status 2, no rank started, nothing written.
+Risky configuration is caught early: a monitored metric the module never logs, a plain data module."""
 
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import PROJECT, run_main
-from toy import ToyClassifier
+from helpers import PROJECT, run_main, run_ok
+from toy import PlainToyData, ToyClassifier
 
-from {{ cookiecutter.package_name }}.ddp.cli import BadInput, check_checkpoint, check_state_dict_fits
+from {{ cookiecutter.package_name }}.ddp.cli import BadInput, check_checkpoint, check_state_dict_fits, plain_datamodule_warning
+
+TOY = ("--config", str(PROJECT / "tests/toy.yaml"))  # the tests' own model and data
+TESTS_ON_PATH = {"PYTHONPATH": str(PROJECT / "tests")}
 
 # Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
 SITECUSTOMIZE = """
@@ -62,9 +66,8 @@ def outcomes(tmp_path_factory):
         args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
         marker = base / f"{cwd.name}.spawned"
         env = {"PYTHONPATH": f"{base / 'site'}:{PROJECT / 'tests'}", "SPAWN_MARKER": str(marker)}
-        toy = ("--config", str(PROJECT / "tests/toy.yaml"))  # the tests' own model, for the checkpoints above
         result = run_main(
-            "fit", *toy, "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
+            "fit", *TOY, "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
         )
         return name, (result, marker.exists(), sorted(p.name for p in cwd.iterdir()))
 
@@ -105,3 +108,33 @@ def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
     check_state_dict_fits(ToyClassifier(), path)
     with pytest.raises(BadInput, match="holds weights of a different model"):
         check_state_dict_fits(ToyClassifier(hidden_dim=8), path)
+
+
+@pytest.mark.machinery
+def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_path):
+    """monitor: val_acc (the toy model logs val/acc): the run stops at the sanity check, before any training
+    step or checkpoint, and names the keys the module does log."""
+    (tmp_path / "monitor.yaml").write_text(
+        "trainer:\n  callbacks:\n"
+        "    - class_path: {{ cookiecutter.package_name }}.ddp.checkpoints.CurrentModelCheckpoint\n"
+        "      init_args:\n        monitor: val_acc\n"
+    )  # merged into the list entry of toy.yaml with the same class
+    cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path))
+    result = run_main("fit", *TOY, "--config", str(tmp_path / "monitor.yaml"), *cpu, cwd=tmp_path, env=TESTS_ON_PATH)
+    assert result.returncode != 0, result.stdout[-3000:]
+    expected = "ModelCheckpoint monitors 'val_acc', which the module does not log in validation; it logs ['val/acc', "
+    assert expected in result.stdout, result.stdout[-3000:]
+    assert not list(tmp_path.rglob("*.ckpt")) and "Epoch 0:" not in result.stdout
+
+
+@pytest.mark.machinery
+def test_plain_datamodule_runs_with_one_warning_line(tmp_path):
+    """A plain LightningDataModule trains on 2 processes; the CLI says once, before any rank starts, what it loses."""
+    cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_steps", "2")
+    out = run_ok(
+        "fit", *TOY, "--data", "toy.PlainToyData", *cpu, "--trainer.default_root_dir", str(tmp_path),
+        cwd=tmp_path, env=TESTS_ON_PATH,
+    )  # fmt: skip
+    lines = [line for line in out.splitlines() if "is a plain LightningDataModule" in line]
+    assert lines == [plain_datamodule_warning(PlainToyData())]
+    assert "subclass {{ cookiecutter.package_name }}.ddp.GlobalBatchDataModule" in lines[0]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import PROJECT, run_ok
 
+from {{ cookiecutter.package_name }}.ddp.parity import max_abs
 from faults import checkpoint_ok, run_scenario
 
 pytestmark = pytest.mark.machinery
@@ -85,8 +86,7 @@ def test_resume_after_sigterm_matches_uninterrupted(results, tmp_path):
         list(pool.map(lambda args: run_ok(*args, cwd=tmp_path, env=env, timeout=240), runs))
     a, b = (torch.load(tmp_path / d / "checkpoints/last.ckpt", weights_only=True) for d in ("resumed", "straight"))
     assert a["global_step"] == b["global_step"] == STEPS
-    diff = torch.cat([(a["state_dict"][k] - b["state_dict"][k]).flatten() for k in b["state_dict"]])
-    assert diff.abs().max().item() < 1e-6
+    assert max_abs(a["state_dict"], b["state_dict"]) < 1e-6
 
 
 GPUS = torch.cuda.device_count()

@@ -12,12 +12,12 @@ from fake_cluster import (
     free_port,
     kill_group,
     last_weights,
-    max_abs_diff,
     slurm_env,
     start,
     wait_for,
 )
 
+from {{ cookiecutter.package_name }}.ddp.parity import max_abs
 from {{ cookiecutter.package_name }}.ddp.requeue import next_hpc_checkpoint
 
 # float64 and 2 epochs (32 steps, across an epoch boundary): equal weights up to float64 rounding.
@@ -48,7 +48,7 @@ def test_two_torchrun_nodes_train_the_same_weights_as_one_device(reference, glob
     assert probes(logs) == [
         f"RANK_PROBE global={r} local=0 node={r} world=2 env=TorchElasticEnvironment step=0" for r in range(2)
     ]
-    assert max_abs_diff(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
+    assert max_abs(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
 
 
 def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference, global_batch, tmp_path):
@@ -62,7 +62,7 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference,
     assert codes == [0], (tmp_path / "job.log").read_text() + tasks[0][-3000:] + tasks[1][-3000:]
     for rank, out in enumerate(tasks):
         assert probes(out) == [f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment step=0"]
-    assert max_abs_diff(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
+    assert max_abs(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
 
 
 def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(global_batch, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from runs import Run, Waves, fit, main_cmd, run_all
 
-from {{ cookiecutter.package_name }}.ddp.parity import diff, read_scalars, report, scalar_diffs, weight_diffs
+from {{ cookiecutter.package_name }}.ddp.parity import diff, max_abs, read_scalars, report, scalar_diffs, weight_diffs
 from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
 
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
@@ -211,6 +211,14 @@ def test_diff_is_relative_to_the_tensor_scale_and_nan_never_passes():
     assert not diff("w", torch.ones(2), torch.tensor([1.0, float("nan")])).max_rel <= 1.0
     with pytest.raises(ValueError, match=r"shape \(2,\) vs \(3,\)"):
         diff("w", torch.ones(2), torch.ones(3))
+
+
+def test_max_abs_is_the_largest_difference_of_any_tensor_and_nan_never_passes():
+    """The single number the multi-node, sharding and fault tests bound: the largest |a - b| of all tensors."""
+    a = {"w": torch.zeros(2, dtype=torch.float64), "b": torch.ones(1, dtype=torch.float64)}
+    b = {"w": torch.tensor([0.0, 3e-7], dtype=torch.float64), "b": torch.tensor([1.0 - 1e-6], dtype=torch.float64)}
+    assert max_abs(a, b) == pytest.approx(1e-6)
+    assert not max_abs(a, b | {"w": torch.tensor([0.0, float("nan")], dtype=torch.float64)}) < 1.0
 
 
 def test_compare_command_passes_and_fails_on_its_bound(cpu_runs, capsys):

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -54,6 +54,25 @@ class ToyData(GlobalBatchDataModule):
 
     def test_dataset(self) -> Dataset:
         return blobs(359, seed=2)
+
+
+class PlainToyData(L.LightningDataModule):
+    """The same blobs as a plain LightningDataModule (per-device batch size, shuffled loader), as users write them.
+
+    Args:
+        batch_size: Samples per device and step.
+        num_workers: DataLoader worker processes per device.
+    """
+
+    def __init__(self, batch_size: int = 32, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, num_workers
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(blobs(1079, seed=0), self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(blobs(359, seed=1), self.batch_size, num_workers=self.num_workers)
 
 
 class ToyClassifier(L.LightningModule):

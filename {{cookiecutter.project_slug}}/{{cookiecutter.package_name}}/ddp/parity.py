@@ -73,6 +73,12 @@ def weight_diffs(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> list[Diff]
     return worst_first([diff(name, a[name], b[name]) for name in a])
 
 
+def max_abs(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
+    """The largest absolute difference over all tensors (NaN if any is NaN): one number for a bound."""
+    values = [d.max_abs for d in weight_diffs(a, b)]
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+
 def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
     """Every training scalar in the TensorBoard files of `log_dir`, as {tag: {step: value}} (stored as float32).
 
