@@ -48,6 +48,15 @@ def test_comm_share_uses_the_rank_that_waits_least():
     assert verdicts(rank(comm_ms=20), rank(comm_ms=18)) == ["communication-bound"]
 
 
+def test_communication_fix_keeps_the_global_batch_promise():
+    """The advice grows the global batch (micro-batches for memory), never Lightning's accumulate_grad_batches,
+    which GlobalBatchDataModule refuses because it would change the global batch behind the user's back."""
+    s = summarize([rank(comm_ms=20)] * 2, {})
+    (finding,) = diagnose(s, Thresholds())
+    assert "a larger --data.global_batch_size (now 32 per device and batch" in finding["fix"]
+    assert "with --data.micro_batch_size" in finding["fix"]
+
+
 def test_short_steps_are_too_little_work():
     """4 ms steps are flagged before anything else they cause."""
     short = rank(step_ms=4, data_ms=0.2, busy_ms=3, comm_ms=1.5)

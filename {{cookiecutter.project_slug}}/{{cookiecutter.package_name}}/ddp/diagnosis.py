@@ -140,8 +140,10 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
             {
                 "cause": "communication-bound",
                 "fix": f"the gradient all-reduce is {s['comm_pct']:.0f}% of the step "
-                f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → larger per-device batch "
-                f"(now {batch}), gradient accumulation (--trainer.accumulate_grad_batches), a larger DDP "
+                f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → more samples per all-reduce: "
+                f"a larger --data.global_batch_size (now {batch} per device and batch; retune the learning rate), "
+                "with --data.micro_batch_size if a device's share outgrows its memory (not "
+                "--trainer.accumulate_grad_batches, which would change the global batch); a larger DDP "
                 "bucket_cap_mb, or a compressing comm hook (fp16/bf16)",
             }
         )
