@@ -149,10 +149,13 @@ def test_every_python_file_compiles(default_project, tmp_path):
         py_compile.compile(str(path), cfile=str(tmp_path / "x.pyc"), doraise=True)
 
 
-def test_generated_project_passes_ruff(default_project):
-    """ruff check and ruff format --check find nothing, with the project's own config."""
+@pytest.mark.parametrize("name", ["Ddp Digits", "Zz Top"])
+def test_generated_project_passes_ruff(tmp_path, name):
+    """ruff check and ruff format --check find nothing, with the project's own config, also when the package's
+    name sorts after the scripts beside it (import order must not depend on the name)."""
+    project = bake(tmp_path, project_name=name, lm_example="yes")
     for cmd in (["ruff", "check", "."], ["ruff", "format", "--check", "."]):
-        result = run([sys.executable, "-m", *cmd], default_project, timeout=60)
+        result = run([sys.executable, "-m", *cmd], project, timeout=60)
         assert result.returncode == 0, result.stdout
 
 

@@ -26,6 +26,7 @@ def _measure(args: list[str]) -> dict:
 
     sys.path.insert(0, str(PROJECT))
     from {{ cookiecutter.package_name }}.ddp import GlobalBatchDataModule
+
     from main import main
 
     cpu = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1"]

@@ -12,6 +12,7 @@ import torch
 from helpers import PROJECT, run_ok
 
 from {{ cookiecutter.package_name }}.ddp.parity import max_abs
+
 from faults import checkpoint_ok, run_scenario
 
 pytestmark = pytest.mark.machinery
