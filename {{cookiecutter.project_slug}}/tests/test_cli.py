@@ -3,10 +3,12 @@
 import importlib
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import run_ok
+from helpers import PROJECT, run_ok
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,25 @@ def test_doctor_reports_by_default_without_timing_the_all_reduce(fitted):
     summary = json.loads((root / "lightning_logs/version_0/doctor.json").read_text())
     assert "Scaling doctor: 1 x cpu" in out and "comm not timed" in out
     assert summary["comm_measured"] is False and summary["steps"] > 0
+
+
+# Builds the trainer (run=False) for three ways of naming the strategy; prints each one's collective timeout.
+TIMEOUTS = """
+from main import main
+from {{ cookiecutter.package_name }}.ddp.lightning_internals import ddp_timeout
+
+cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false", "--dist_timeout", "20"]
+ddp = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"]
+for extra in ([], [*ddp, "--trainer.strategy.bucket_cap_mb", "50"], [*ddp, "--trainer.strategy.timeout", "0:00:45"]):
+    strategy = main([*cpu, *extra], run=False).trainer.strategy
+    print("TIMEOUT", type(strategy).__name__, ddp_timeout(strategy).total_seconds())
+"""
+
+
+def test_dist_timeout_reaches_a_strategy_given_as_a_class_path():
+    """--dist_timeout 20 applies to "ddp" and to a DDPStrategy class path with arguments (bucket_cap_mb, which
+    the doctor recommends; torch's 30-minute default used to come back there); a timeout set there is kept."""
+    result = subprocess.run([sys.executable, "-c", TIMEOUTS], cwd=PROJECT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("TIMEOUT")]
+    assert lines == ["TIMEOUT TimedDDPStrategy 20.0", "TIMEOUT DDPStrategy 20.0", "TIMEOUT DDPStrategy 45.0"]

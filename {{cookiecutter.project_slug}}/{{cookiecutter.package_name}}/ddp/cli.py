@@ -74,7 +74,8 @@ class CLI(LightningCLI):
             type=float,
             default=300.0,
             help="Seconds a rank waits in a collective (all-reduce, barrier) before the job fails, for "
-            "strategy 'ddp'. Bounds how long a hung or dead rank can stall the others; raise it when one "
+            "strategy 'ddp' or a DDPStrategy class path that sets no timeout of its own. Bounds how long a "
+            "hung or dead rank can stall the others; raise it when one "
             "rank legitimately works alone for longer (a big checkpoint on a slow disk, a first compile).",
         )
 
