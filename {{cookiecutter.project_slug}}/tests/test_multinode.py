@@ -65,11 +65,24 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference,
     assert max_abs(last_weights(tmp_path, 2 * global_batch["steps_per_epoch"]), reference) < 1e-12
 
 
+OWN_CALLBACKS = """
+trainer:
+  callbacks:
+    - class_path: {{ cookiecutter.package_name }}.ddp.checkpoints.CurrentModelCheckpoint
+      init_args:
+        monitor: null
+        save_last: true
+"""
+
+
 def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(global_batch, tmp_path):
     """SIGUSR1 (SLURM, before the time limit): hpc_ckpt_1.ckpt and `scontrol requeue`; the rerun resumes from it."""
     env = slurm_env(tmp_path, nodes=1, tasks_per_node=2, job_id=4243)
     root, tasks = tmp_path / "root", tmp_path / "tasks"
-    args = ["--trainer.accelerator", "cpu", "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false"]
+    # A config with its own callbacks list, as configs/lm.yaml has: it must not drop the requeue callback.
+    (tmp_path / "callbacks.yaml").write_text(OWN_CALLBACKS)
+    args = ["--config", str(tmp_path / "callbacks.yaml")]
+    args += ["--trainer.accelerator", "cpu", "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.default_root_dir", str(root), "--trainer.callbacks+=rank_probe.RankProbe"]
     # Slow steps keep the first job running until the test has signalled it; the requeued run is not slowed.
     job = start(

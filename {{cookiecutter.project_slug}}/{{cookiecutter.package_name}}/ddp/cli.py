@@ -36,6 +36,7 @@ from .processes import (
     watch_children,
     watch_parent,
 )
+from .requeue import SlurmRequeue
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
 
@@ -87,6 +88,14 @@ class CLI(LightningCLI):
             "the background). A signal stops every rank, with a checkpoint, within this many steps + 1; lower "
             "it when steps are long and the scheduler's grace period is short.",
         )
+        parser.add_argument(
+            "--slurm_requeue",
+            type=bool,
+            default=False,
+            help="Add the SlurmRequeue callback (requeue.py): on SLURM's warning signal all ranks save "
+            "hpc_ckpt_N.ckpt at one step and the job requeues itself. A flag, not a trainer.callbacks entry, so "
+            "a config that lists its own callbacks cannot drop it (cluster/slurm.sbatch sets it).",
+        )
 
     # --- checks before anything starts ---------------------------------------------------------------
 
@@ -133,7 +142,8 @@ class CLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
         stop = GracefulStop(self._get(self.config, "stop_check_every_n_steps"))
-        return super()._instantiate_trainer(config, [*callbacks, stop])
+        requeue = [SlurmRequeue()] if self._get(self.config, "slurm_requeue") else []
+        return super()._instantiate_trainer(config, [*callbacks, stop, *requeue])
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 
