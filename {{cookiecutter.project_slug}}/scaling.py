@@ -23,8 +23,21 @@ from pathlib import Path
 MAIN = Path(__file__).resolve().with_name("main.py")
 
 
-def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeout: float) -> dict:
-    """One fit on `devices` devices under `root`; return its doctor summary."""
+def threads_per_process(devices: list[int]) -> int:
+    """CPU threads every process of every run gets: OMP_NUM_THREADS if set, else cores / the most devices.
+
+    The same number in every run, so that runs compare like with like: left alone, Lightning gives each
+    process cores // processes threads, and a lone process's extra threads (which may fight each other,
+    or other jobs) would make the speed-up mean something else.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(devices))
+
+
+def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeout: float, threads: int) -> dict:
+    """One fit on `devices` devices under `root`, `threads` CPU threads per process; return its doctor summary."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     cmd = [sys.executable, str(MAIN), "fit", "--trainer.devices", str(devices), "--trainer.max_steps", str(max_steps)]
@@ -33,7 +46,8 @@ def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeo
     log = root.with_suffix(".log")
     with log.open("w") as out:
         # Own session: on timeout the whole process group (every rank) is killed, nothing is left behind.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -111,19 +125,22 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def sweep(devices: list[int], out: Path, fit_args: list[str], max_steps: int, timeout: float) -> list[dict]:
     summaries = []
+    threads = threads_per_process(devices)
+    print(f"{threads} CPU thread(s) per process in every run (OMP_NUM_THREADS)", flush=True)
     for n in devices:
         print(f"fit on {n} device(s) ...", flush=True)
-        summaries.append(run_fit(n, out / f"devices_{n}", fit_args, max_steps, timeout))
+        summaries.append(run_fit(n, out / f"devices_{n}", fit_args, max_steps, timeout, threads))
     rows = table_rows(summaries)
     table = markdown(rows)
     (out / "scaling.md").write_text(table)
-    (out / "scaling.json").write_text(json.dumps({"fit_args": fit_args, "rows": rows}, indent=2) + "\n")
-    plot(rows, out / "scaling.png")
+    record = {"fit_args": fit_args, "threads_per_process": threads, "rows": rows}
+    (out / "scaling.json").write_text(json.dumps(record, indent=2) + "\n")
+    plotted = plot(rows, out / "scaling.png")
     print(table)
     for s in summaries:
         for f in s["findings"]:
             print(f"{s['world_size']} device(s): {f['cause']}: {f['fix']}")
-    print(f"written: {out / 'scaling.md'}, scaling.json, scaling.png")
+    print(f"written: {out / 'scaling.md'}, scaling.json" + (", scaling.png" if plotted else ""))
     return rows
 
 

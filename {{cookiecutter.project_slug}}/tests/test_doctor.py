@@ -153,9 +153,8 @@ def sweep(tmp_path_factory):
     # 1,024 samples per device: at 512 the timed gloo all-reduce reached the 30% threshold on an idle host.
     cmd += ["--data.global_batch_size", "2048", "--data.repeat", "16"]
     cmd += ["--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]
-    # One thread per process in both runs: a lone process would otherwise get every core and, on a busy
-    # host, spin its threads against other jobs.
-    env = {**os.environ, **CASES, "OMP_NUM_THREADS": "1"}
+    # No OMP_NUM_THREADS here: scaling.py must give every run the same threads per process by itself.
+    env = {k: v for k, v in {**os.environ, **CASES}.items() if k != "OMP_NUM_THREADS"}
     result = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
@@ -169,6 +168,15 @@ def test_sweep_writes_table_json_and_plot(sweep):
     assert len(rows[1]["peak_mem_mb"]) == 2 and rows[1]["samples_per_s"] > 0
     assert (sweep / "scaling.md").read_text().count("\n") == 4  # header, rule, 2 rows
     assert (sweep / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_gives_every_run_the_same_threads_per_process(sweep):
+    """cores // the most devices (2 here) threads in the 1-device run too, as the doctor measured in each rank."""
+    cores = len(os.sched_getaffinity(0))
+    assert json.loads((sweep / "scaling.json").read_text())["threads_per_process"] == max(1, cores // 2)
+    for n in (1, 2):
+        summary = json.loads(next((sweep / f"devices_{n}").rglob("doctor.json")).read_text())
+        assert summary["cpu_threads_per_rank"] == max(1, cores // 2)
 
 
 def test_healthy_run_has_no_finding(sweep):
