@@ -23,6 +23,11 @@ from pathlib import Path
 MAIN = Path(__file__).resolve().with_name("main.py")
 
 
+def visible_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one, as under SLURM)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def threads_per_process(devices: list[int]) -> int:
     """CPU threads every process of every run gets: OMP_NUM_THREADS if set, else cores / the most devices.
 
@@ -32,8 +37,7 @@ def threads_per_process(devices: list[int]) -> int:
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(devices))
+    return max(1, visible_cores() // max(devices))
 
 
 def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeout: float, threads: int) -> dict:
@@ -158,7 +162,7 @@ def _rank_report(rank: int, world: int, port: int, queue) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ones = torch.ones(1, device=device)
     dist.all_reduce(ones)  # proves the backend can talk between all ranks
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = visible_cores()
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     current = torch.cuda.current_device() if cuda else None
     queue.put((rank, str(device), current, name, cores, int(ones.item())))
@@ -184,7 +188,7 @@ def preflight(devices: int, fit_args: list[str]) -> None:
     import torch.multiprocessing as mp
 
     cuda = torch.cuda.is_available()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = visible_cores()
     print(f"torch {torch.__version__}, CUDA available: {cuda}")
     print(f"visible devices (torch.cuda.device_count()): {torch.cuda.device_count()}")
     print(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(not set)')}")

@@ -4,6 +4,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -51,3 +53,11 @@ def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None)
     result = run_main(*args, cwd=cwd, timeout=timeout, env=env)
     assert result.returncode == 0, f"main.py {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
     return result.stdout
+
+
+def concurrently(job: Callable, names: Iterable[str]) -> dict:
+    """`job(name)` for every name at once, as {name: result}: most of a short run is start-up, which
+    overlaps. The first job that raises fails the call (after the others have ended)."""
+    names = list(names)
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(zip(names, pool.map(job, names), strict=True))

@@ -5,10 +5,9 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import PROJECT, run_ok
+from helpers import PROJECT, concurrently, run_ok
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +48,7 @@ def subcommands(fitted) -> dict[str, str]:
         cpu = ("--trainer.accelerator", "cpu", "--ckpt_path", str(ckpt))
         return run_ok(command, *cpu, "--trainer.default_root_dir", str(root / command), cwd=root)
 
-    with ThreadPoolExecutor(3) as pool:
-        return dict(zip(COMMANDS, pool.map(run, COMMANDS), strict=True))
+    return concurrently(run, COMMANDS)
 
 
 COMMANDS = ("validate", "test", "predict")

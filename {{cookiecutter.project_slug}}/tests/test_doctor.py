@@ -5,11 +5,10 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import PROJECT, run_ok
+from helpers import PROJECT, concurrently, run_ok
 
 pytestmark = pytest.mark.machinery
 
@@ -67,72 +66,51 @@ def causes(tmp_path_factory) -> dict[str, tuple[dict, str]]:
         (base / name).mkdir()
         return doctor_fit(base / name, *CAUSES[name])
 
-    with ThreadPoolExecutor(len(CAUSES)) as pool:
-        return dict(zip(CAUSES, pool.map(fit, CAUSES), strict=True))
+    return concurrently(fit, CAUSES)
 
 
-@pytest.fixture
-def data_bound(causes):
-    return causes["data-bound"]
-
-
-@pytest.fixture
-def comm_bound(causes):
-    return causes["comm-bound"]
-
-
-@pytest.fixture
-def memory_hog(causes):
-    return causes["memory"]
-
-
-@pytest.fixture
-def straggler(causes):
-    return causes["straggler"]
-
-
-def test_report_is_printed_once_with_a_row_per_rank(data_bound):
+def test_report_is_printed_once_with_a_row_per_rank(causes):
     """Rank 0 alone prints the report; it has one table row per rank and the verdict."""
-    summary, out = data_bound
+    summary, out = causes["data-bound"]
     assert out.count("Scaling doctor: 2 x cpu, 17 steps") == 1  # 20 steps minus 3 warm-up
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert out.count("verdict: data-bound: ") == 1
 
 
-def test_sleepy_dataset_is_data_bound(data_bound):
+def test_sleepy_dataset_is_data_bound(causes):
     """Loading sleeps make the verdict data-bound, with most of each step waiting for data on both ranks."""
-    summary, _ = data_bound
+    summary, _ = causes["data-bound"]
     assert summary["verdict"] == "data-bound"
     assert summary["data_wait_pct"] > 50 and all(r["data_ms"] >= 16 for r in summary["ranks"])
 
 
-def test_wide_model_with_tiny_batches_is_communication_bound(comm_bound):
+def test_wide_model_with_tiny_batches_is_communication_bound(causes):
     """The all-reduce of 17 MB of gradients is over 30% of the step, measured by the comm hook."""
-    summary, _ = comm_bound
+    summary, _ = causes["comm-bound"]
     assert summary["comm_measured"] and summary["grad_mb"] == pytest.approx(16.6, abs=0.1)
     assert "communication-bound" in [f["cause"] for f in summary["findings"]]
     assert summary["comm_pct"] > 30 and summary["data_wait_pct"] < 10
 
 
-def test_extra_tensor_on_one_rank_is_memory_imbalance(memory_hog):
+def test_extra_tensor_on_one_rank_is_memory_imbalance(causes):
     """Rank 1's peak RSS is ~400 MB above rank 0's, and the verdict says so first."""
-    summary, _ = memory_hog
+    summary, _ = causes["memory"]
     mem = [r["peak_mem_mb"] for r in summary["ranks"]]
     assert summary["verdict"] == "memory-imbalance" and mem[1] - mem[0] > 350
     assert summary["findings"][0]["fix"].startswith("rank 1 peaks at")
 
 
-def test_sleeping_rank_is_a_straggler(straggler):
+def test_sleeping_rank_is_a_straggler(causes):
     """Rank 1's own work is ~100 ms longer; rank 0 spends that time waiting in the all-reduce."""
-    summary, _ = straggler
+    summary, _ = causes["straggler"]
     fast, slow = summary["ranks"]
     assert summary["verdict"] == "straggler" and summary["findings"][0]["fix"].startswith("rank 1 is a straggler")
     assert slow["work_ms"] - fast["work_ms"] > 80 and fast["comm_ms"] - slow["comm_ms"] > 80
 
 
-def test_periodic_reports_cover_their_window(straggler):
+def test_periodic_reports_cover_their_window(causes):
     """Every 10 batches a report of those batches (7 after the 3 warm-up ones, then 10), then the whole fit."""
-    _, out = straggler
+    _, out = causes["straggler"]
     heads = [line.split(" steps")[0] for line in out.splitlines() if line.startswith("Scaling doctor: ")]
     assert heads == [f"Scaling doctor: 2 x cpu, {n}" for n in (7, 10, 17)]
 

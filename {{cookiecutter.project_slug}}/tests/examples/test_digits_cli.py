@@ -1,12 +1,11 @@
 """The digits example end to end: it learns, its help, a module of one's own built on it, a stalled metric."""
 
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROJECT, run_ok
+from helpers import PROJECT, concurrently, run_ok
 
 DIGITS = ("--config", str(PROJECT / "tests/examples/digits.yaml"))
 
@@ -46,8 +45,7 @@ def fits(tmp_path_factory) -> dict[str, Path]:
         )
         return root
 
-    with ThreadPoolExecutor(3) as pool:
-        return dict(zip(jobs, pool.map(fit, jobs), strict=True))
+    return concurrently(fit, jobs)
 
 
 def test_fit_learns(fits):
