@@ -77,6 +77,12 @@ SCENARIOS = {
         checkpoint=True,
     ),
     "kill9": Scenario("kill -9 of the launcher mid-training", ("--model.step_sleep", "0.05"), signal.SIGKILL),
+    "kill9-epoch1": Scenario(
+        "kill -9 of the launcher in epoch 1: epoch 0's last.ckpt survives, to resume with --ckpt_path last",
+        ("--model.step_sleep", "0.05", "--model.fault_step", "20"),
+        signal.SIGKILL,
+        checkpoint=True,
+    ),
     "kill9-save": Scenario(
         "kill -9 at a random moment while checkpoints are written every step",
         ("--model.ballast_mb", "64", "--model.fault_step", "1"),

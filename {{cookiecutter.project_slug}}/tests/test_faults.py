@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import PROJECT, run_ok
+from helpers import PROJECT, concurrently, run_ok
 
 from {{ cookiecutter.package_name }}.ddp.parity import max_abs
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.machinery
 
 TIMEOUT = 20  # --dist_timeout of the runs
 BOUND = TIMEOUT + 40  # generous: start-up of a rank on a loaded 2-core machine takes seconds
-SCENARIOS = ["raise", "exit", "hang", "sigterm", "sigterm-rank1", "sigint", "kill9"]
-STEPS = 48  # 3 epochs: the uninterrupted run ends on an epoch end, where last.ckpt is written
+SCENARIOS = ["raise", "exit", "hang", "sigterm", "sigterm-rank1", "sigint", "kill9", "kill9-epoch1"]
+STEPS = 48  # 3 epochs of 16 steps: the uninterrupted run ends on an epoch end, where last.ckpt is written
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +71,40 @@ def test_kill_during_checkpoint_writes_keeps_last_loadable(results):
     assert all(checkpoint_ok(r.workdir / "checkpoints/last.ckpt") for r in saves), [r.output[-2000:] for r in saves]
 
 
-def test_resume_after_sigterm_matches_uninterrupted(results, tmp_path):
-    """Stopped by SIGTERM mid-epoch and resumed, a run ends with the weights of one never stopped."""
+@pytest.fixture(scope="module")
+def resumed(results, tmp_path_factory):
+    """The run stopped by SIGTERM mid-epoch resumed from the file it named, the run killed in epoch 1 resumed
+    with `--ckpt_path last` in its own directory, and a run never stopped: {name: (last.ckpt, output)}."""
+    base = tmp_path_factory.mktemp("resumed")
     env = {"PYTHONPATH": str(PROJECT / "tests")}
     common = ["fit", "--config", str(PROJECT / "tests/toy.yaml"), "--model", "faulty.FaultyClassifier"]
     common += ["--trainer.accelerator", "cpu", "--trainer.devices", "2"]
     common += ["--trainer.max_steps", str(STEPS)]
     common += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
-    stopped = results["sigterm"].workdir / "checkpoints/last.ckpt"
-    runs = [
-        [*common, "--ckpt_path", str(stopped), "--trainer.default_root_dir", str(tmp_path / "resumed")],
-        [*common, "--trainer.default_root_dir", str(tmp_path / "straight")],
-    ]
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda args: run_ok(*args, cwd=tmp_path, env=env, timeout=240), runs))
-    a, b = (torch.load(tmp_path / d / "checkpoints/last.ckpt", weights_only=True) for d in ("resumed", "straight"))
+    roots = {"sigterm": base / "sigterm", "kill9-epoch1": results["kill9-epoch1"].workdir}
+    roots["straight"] = base / "straight"
+    runs = {
+        "sigterm": ["--ckpt_path", str(results["sigterm"].workdir / "checkpoints/last.ckpt")],
+        "kill9-epoch1": ["--ckpt_path", "last"],  # the newest last.ckpt under the killed run's directory
+        "straight": [],
+    }
+    outputs = concurrently(
+        lambda name: run_ok(
+            *common, *runs[name], "--trainer.default_root_dir", str(roots[name]), cwd=base, env=env, timeout=240
+        ),
+        runs,
+    )
+    return {name: (roots[name] / "checkpoints/last.ckpt", outputs[name]) for name in runs}
+
+
+@pytest.mark.parametrize("name", ["sigterm", "kill9-epoch1"])
+def test_resumed_run_matches_uninterrupted(resumed, name):
+    """Stopped by SIGTERM mid-epoch and resumed from the named file, or killed (-9) in epoch 1 and resumed with
+    `--ckpt_path last`, a run ends with the weights of one never stopped."""
+    (path, out), (straight, _) = resumed[name], resumed["straight"]
+    if name == "kill9-epoch1":
+        assert f"fit: --ckpt_path last is {path}\n" in out, out[-3000:]
+    a, b = torch.load(path, weights_only=True), torch.load(straight, weights_only=True)
     assert a["global_step"] == b["global_step"] == STEPS
     assert max_abs(a["state_dict"], b["state_dict"]) < 1e-6
 

@@ -148,6 +148,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
             batch_size=self.micro_batch(),
             sampler=sampler,
             batches_per_step=self.accumulation_steps(),
+            current_epoch=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
             **self.loader_kwargs(),
         )
 

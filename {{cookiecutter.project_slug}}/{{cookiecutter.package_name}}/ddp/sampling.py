@@ -20,7 +20,7 @@ exactly those, so the rest of the epoch sees the samples not yet seen, on any
 world size.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -107,15 +107,23 @@ class ResumableLoader(DataLoader):
     not count.
     """
 
-    def __init__(self, *args: Any, batches_per_step: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, batches_per_step: int = 1, current_epoch: Callable[[], int] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, GlobalBatchSampler):
             raise TypeError("ResumableLoader needs a GlobalBatchSampler as its sampler.")
         self.batches_per_step = batches_per_step
+        self.current_epoch = current_epoch
         self._position = (0, 0)  # (epoch, global batches of that epoch completed)
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
+        if self.current_epoch is not None:
+            # Lightning 2.6 calls set_epoch with its count of processed epochs, which is one ahead of
+            # current_epoch after resuming a max_steps run from an epoch-end checkpoint (fit_loop.on_run_start
+            # syncs the two only for epoch-based runs): every later epoch would take the next one's order.
+            sampler.set_epoch(self.current_epoch())
         start = None
         for handed, batch in enumerate(super().__iter__(), start=1):
             if start is None:  # the sampler has started now, so start_batch includes a restored skip
