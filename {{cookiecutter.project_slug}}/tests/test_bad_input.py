@@ -1,6 +1,7 @@
 """Bad command-line input fails at once: one `error:` line, status 2, no rank started, nothing written.
 Risky configuration is caught early: a monitored metric the module never logs, a plain data module."""
 
+import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,7 +10,15 @@ import torch
 from helpers import PROJECT, run_main, run_ok
 from toy import PlainToyData, ToyClassifier
 
-from {{ cookiecutter.package_name }}.ddp.cli import BadInput, check_checkpoint, check_state_dict_fits, plain_datamodule_warning
+from {{ cookiecutter.package_name }}.ddp.cli import (
+    BadInput,
+    check_checkpoint,
+    check_state_dict_fits,
+    match_torchrun,
+    newest_last_checkpoint,
+    plain_datamodule_warning,
+    resolve_ckpt_path,
+)
 
 TOY = ("--config", str(PROJECT / "tests/toy.yaml"))  # the tests' own model and data
 TESTS_ON_PATH = {"PYTHONPATH": str(PROJECT / "tests")}
@@ -43,6 +52,11 @@ def checkpoints(directory):
 CASES = {
     "unknown flag": (["--trainer.devicez", "2"], "unrecognized arguments: --trainer.devicez"),
     "no GPU": (["--trainer.accelerator", "gpu"], "--trainer.devices asks for 2 GPUs but no CUDA GPU is visible"),
+    "no GPU, devices auto": (
+        ["--trainer.accelerator", "gpu", "--trainer.devices", "auto"],
+        "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu",
+    ),
+    "nothing to resume": (["--ckpt_path", "last"], "--ckpt_path last: no complete last.ckpt under"),
     "indivisible batch": (["--data.global_batch_size", "63"], "global_batch_size=63 does not divide evenly over 2"),
     "zero stop check": (["--stop_check_every_n_steps", "0"], "stop_check_every_n_steps"),
     "missing checkpoint": (["--ckpt_path", "nope.ckpt"], "--ckpt_path nope.ckpt does not exist"),
@@ -138,3 +152,86 @@ def test_plain_datamodule_runs_with_one_warning_line(tmp_path):
     lines = [line for line in out.splitlines() if "is a plain LightningDataModule" in line]
     assert lines == [plain_datamodule_warning(PlainToyData())]
     assert "subclass {{ cookiecutter.package_name }}.ddp.GlobalBatchDataModule" in lines[0]
+
+
+def save(path, mtime, **content):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(content, path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_last_is_the_newest_complete_last_checkpoint(tmp_path):
+    """`--ckpt_path last` finds the most recent last.ckpt in any run under the root, skipping a torn file, a
+    sharded directory without its index, and hidden directories (virtual environments, .git)."""
+    save(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", 100, step=1)
+    newest = save(tmp_path / "runs/b/lightning_logs/version_3/checkpoints/last.ckpt", 200, step=2)
+    torn = save(tmp_path / "lightning_logs/version_1/checkpoints/last.ckpt", 300, step=3)
+    torn.write_bytes(torn.read_bytes()[:-40])  # the end of the archive is missing, as after a non-atomic write
+    os.utime(torn, (300, 300))
+    save(tmp_path / ".venv/checkpoints/last.ckpt", 400, step=4)
+    sharded = tmp_path / "lightning_logs/version_2/checkpoints/last.ckpt"
+    sharded.mkdir(parents=True)
+    assert newest_last_checkpoint(tmp_path) == newest
+    (sharded / ".metadata").write_bytes(b"index")
+    assert newest_last_checkpoint(tmp_path) == sharded
+    assert newest_last_checkpoint(tmp_path / "runs") == newest  # under the path given
+    assert newest_last_checkpoint(tmp_path / "empty") is None
+
+
+def test_ckpt_path_last_and_best_become_files(tmp_path):
+    """`last` becomes the newest last.ckpt (and fit continues its run directory); `best` for test becomes the best
+    checkpoint that last.ckpt's checkpoint callback recorded; best for fit, or a vanished best, is refused."""
+    best = save(tmp_path / "lightning_logs/version_0/checkpoints/best-epoch01-step8.ckpt", 100)
+    state = {"CurrentModelCheckpoint{'monitor': 'val/acc'}": {"best_model_path": str(best)}}
+    last = save(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", 100, callbacks=state)
+    config = {"ckpt_path": "last", "trainer": {"default_root_dir": str(tmp_path)}}
+    assert resolve_ckpt_path(config, "fit") == tmp_path / "lightning_logs/version_0"
+    assert config["ckpt_path"] == str(last)
+    config = {"ckpt_path": "last", "trainer": {"default_root_dir": str(tmp_path)}}
+    assert resolve_ckpt_path(config, "validate") is None and config["ckpt_path"] == str(last)
+    config = {"ckpt_path": "best", "trainer": {"default_root_dir": str(tmp_path)}}
+    assert resolve_ckpt_path(config, "test") is None and config["ckpt_path"] == str(best)
+    with pytest.raises(BadInput, match="--ckpt_path best is for validate, test and predict"):
+        resolve_ckpt_path({"ckpt_path": "best", "trainer": {"default_root_dir": str(tmp_path)}}, "fit")
+    best.unlink()
+    with pytest.raises(BadInput, match="records no best checkpoint that still exists"):
+        resolve_ckpt_path({"ckpt_path": "best", "trainer": {"default_root_dir": str(tmp_path)}}, "predict")
+    config = {"ckpt_path": str(last), "trainer": {}}
+    assert resolve_ckpt_path(config, "fit") is None and config["ckpt_path"] == str(last)  # a file stays a file
+
+
+AUTO = {"devices": "auto", "num_nodes": 1}
+GIVEN = {"devices": "4", "num_nodes": 2}
+
+
+@pytest.mark.parametrize(
+    ("env", "trainer", "expected"),
+    [
+        ({}, {"devices": "auto", "num_nodes": 1}, {"devices": "auto", "num_nodes": 1}),  # not under torchrun
+        ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, AUTO, {"devices": 2, "num_nodes": 1}),
+        ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, AUTO, {"devices": 4, "num_nodes": 2}),
+        ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, GIVEN, GIVEN),  # given and consistent: kept
+    ],
+)
+def test_devices_auto_takes_torchrun_shape(monkeypatch, env, trainer, expected):
+    """Under torchrun (`torchrun --nproc_per_node 2 main.py fit`, no --trainer.devices), devices and num_nodes
+    follow the processes torchrun started; outside torchrun nothing changes."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if env:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+    trainer = dict(trainer)
+    match_torchrun(trainer)
+    assert trainer == expected
+
+
+def test_a_shape_that_contradicts_torchrun_is_refused(monkeypatch):
+    """torchrun started 2 processes but --trainer.devices 1: one line that says what to set, not Lightning's
+    ValueError traceback from inside every rank."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    expected = "torchrun started 2 processes .* set --trainer.devices 2 and --trainer.num_nodes 1"
+    with pytest.raises(BadInput, match=expected):
+        match_torchrun({"devices": "1", "num_nodes": 1})

@@ -3,10 +3,12 @@
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import PROJECT, concurrently, run_ok
 
 
@@ -40,13 +42,14 @@ def test_fit_writes_logs_config_and_checkpoints_under_root(fitted):
 
 @pytest.fixture(scope="module")
 def subcommands(fitted) -> dict[str, str]:
-    """validate, test and predict from the fit's last.ckpt, all at once (each is one process, mostly start-up)."""
+    """validate from `--ckpt_path last`, test from `best`, predict from a file, all at once (each is one process,
+    mostly start-up); no logger, so that the concurrent runs do not race for a version directory."""
     root, _ = fitted
-    ckpt = root / "lightning_logs/version_0/checkpoints/last.ckpt"
+    ckpt = {"validate": "last", "test": "best", "predict": str(root / "lightning_logs/version_0/checkpoints/last.ckpt")}
 
     def run(command: str) -> str:
-        cpu = ("--trainer.accelerator", "cpu", "--ckpt_path", str(ckpt))
-        return run_ok(command, *cpu, "--trainer.default_root_dir", str(root / command), cwd=root)
+        args = ("--trainer.accelerator", "cpu", "--ckpt_path", ckpt[command], "--trainer.logger", "false")
+        return run_ok(command, *args, "--trainer.default_root_dir", str(root), cwd=root)
 
     return concurrently(run, COMMANDS)
 
@@ -60,6 +63,34 @@ def test_other_subcommands_run_from_a_checkpoint(subcommands, command):
     out = subcommands[command]
     if command != "predict":  # Lightning's table of the metrics the module logged
         assert f"{'Test' if command == 'test' else 'Validate'} metric" in out
+
+
+def test_ckpt_path_last_and_best_name_the_file_they_load(fitted, subcommands):
+    """`--ckpt_path last` is the run's last.ckpt and `best` the best one its checkpoint callback kept; each
+    command says which file it loaded."""
+    root, _ = fitted
+    checkpoints = root / "lightning_logs/version_0/checkpoints"
+    assert f"validate: --ckpt_path last is {checkpoints / 'last.ckpt'}\n" in subcommands["validate"]
+    (best,) = checkpoints.glob("best-*.ckpt")
+    assert f"test: --ckpt_path best is {best}\n" in subcommands["test"]
+
+
+def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(fitted, tmp_path):
+    """After a finished 3-epoch run, `fit --ckpt_path last --trainer.max_epochs 4` trains one more epoch from it,
+    logging and checkpointing into the same version directory (Lightning's own `last` would start from scratch
+    in a new one). The run is a copy, as after moving it: last.ckpt is still overwritten, not versioned."""
+    root, _ = fitted
+    shutil.copytree(root / "lightning_logs", tmp_path / "lightning_logs")
+    last = tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt"
+    before = torch.load(last, weights_only=True)["global_step"]
+    out = run_ok(
+        "fit", "--trainer.accelerator", "cpu", "--trainer.max_epochs", "4", "--ckpt_path", "last",
+        "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert f"fit: --ckpt_path last is {last}\n" in out
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    assert len(list((tmp_path / "lightning_logs/version_0").glob("events.out.tfevents.*"))) == 2
+    assert torch.load(last, weights_only=True)["global_step"] == before * 4 // 3
 
 
 def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(monkeypatch):

@@ -31,7 +31,13 @@ class CurrentModelCheckpoint(ModelCheckpoint):
       metric that stops improving, `last.ckpt` stays at the best epoch and a resume
       from it silently goes back in training. This saves it at every checkpoint
       point where Lightning skipped it.
+    - `last.ckpt` is overwritten, never joined by `last-v1.ckpt`: Lightning versions a name it does not
+      know as its own, as after resuming a run that was moved, and `--ckpt_path last` would then find the
+      stale `last.ckpt` (`enable_version_counter` defaults to False here).
     """
+
+    def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
 
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         logged = trainer.callback_metrics

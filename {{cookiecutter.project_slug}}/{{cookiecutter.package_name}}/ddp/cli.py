@@ -9,6 +9,7 @@ with status 2, like an unknown flag does.
 import os
 import sys
 import traceback
+import zipfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
@@ -40,8 +42,10 @@ from .requeue import SlurmRequeue
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
 
-# `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file.
-SPECIAL_CKPT_PATHS = {"last", "best", "hpc"}
+# `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
+LIGHTNING_CKPT_PATHS = {"hpc"}
+# Not searched for last.ckpt: environments, caches, version control.
+SKIP_DIRS = {"site-packages", "__pycache__", "node_modules"}
 
 
 class BadInput(Exception):
@@ -70,6 +74,11 @@ class CLI(LightningCLI):
         # Its own section (--doctor.*), not an entry of trainer.callbacks: switching it off or moving a
         # threshold then never depends on where it sits in a list the user also appends to.
         parser.add_lightning_class_args(ScalingDoctor, "doctor")
+        # LightningCLI lists a model's and a data module's own options only under --model.help / --data.help.
+        parser.epilog = (
+            "Options of the model and the data module: --model.help CLASS and --data.help CLASS, with the class "
+            "named in config.yaml (its class name alone is enough)."
+        )
         parser.add_argument(
             "--dist_timeout",
             type=float,
@@ -101,13 +110,18 @@ class CLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
+        self.resumed_run: Path | None = None
         subcommand = self.config.get("subcommand")
         if subcommand is None:
             return
+        config = self.config[subcommand]
         try:
-            check_config(self.config[subcommand])
+            match_torchrun(config.get("trainer") or {})
+            self.resumed_run = resolve_ckpt_path(config, subcommand)
+            check_config(config)
         except BadInput as error:
-            sys.stderr.write(f"error: {error}\n")
+            if rank_label() == "0":  # under torchrun every rank parses: one line is enough
+                sys.stderr.write(f"error: {error}\n")
             sys.exit(2)
 
     def after_instantiate_classes(self) -> None:
@@ -141,6 +155,10 @@ class CLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
+        if self.resumed_run is not None and config.get("logger") in (True, None):
+            # `--ckpt_path last` continues a run: its logs and checkpoints stay in that run's directory.
+            run = self.resumed_run
+            config["logger"] = TensorBoardLogger(save_dir=run.parent.parent, name=run.parent.name, version=run.name)
         stop = GracefulStop(self._get(self.config, "stop_check_every_n_steps"))
         requeue = [SlurmRequeue()] if self._get(self.config, "slurm_requeue") else []
         return super()._instantiate_trainer(config, [*callbacks, stop, *requeue])
@@ -206,8 +224,81 @@ def check_config(config: Any) -> None:
             f"--data.global_batch_size to a multiple of {world} (e.g. {suggestion}) or change --trainer.devices."
         )
     ckpt_path = config.get("ckpt_path")
-    if ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS and "://" not in str(ckpt_path):
+    if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_PATHS and "://" not in str(ckpt_path):
         check_checkpoint(str(ckpt_path), config.get("model"))
+
+
+def match_torchrun(trainer: Any) -> None:
+    """Under torchrun, `devices: auto` means the processes torchrun started on this node (and `num_nodes: 1`
+    all its nodes); a shape that contradicts torchrun's is refused before any process group forms."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not hasattr(trainer, "get"):
+        return
+    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    if str(trainer.get("devices", "auto")) in ("auto", "-1"):
+        trainer["devices"] = local
+    if int(trainer.get("num_nodes") or 1) == 1 and world > local:
+        trainer["num_nodes"] = world // local
+    devices, nodes = str(trainer["devices"]), int(trainer.get("num_nodes") or 1)
+    devices = int(devices) if devices.isdigit() else None  # a list of device ids is Lightning's to check
+    if devices is not None and devices * nodes != world:
+        raise BadInput(
+            f"torchrun started {world} processes ({local} per node), but --trainer.devices {devices} "
+            f"--trainer.num_nodes {nodes} makes {devices * nodes}: set --trainer.devices {local} and "
+            f"--trainer.num_nodes {world // local}, or leave devices at auto."
+        )
+
+
+def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
+    """Turn `--ckpt_path last` (and `best` for validate/test/predict) into a file; return the run directory
+    that `fit --ckpt_path last` continues, else None.
+
+    Lightning looks for `last` only in the new run's own directory, so after a finished or crashed run it
+    warns and trains from scratch. Here `last` is the newest complete `last.ckpt` under
+    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start.
+    """
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path not in ("last", "best"):
+        return None
+    if ckpt_path == "best" and subcommand == "fit":
+        raise BadInput("--ckpt_path best is for validate, test and predict; resume training with --ckpt_path last.")
+    root = Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd())
+    last = newest_last_checkpoint(root)
+    if last is None:
+        raise BadInput(
+            f"--ckpt_path {ckpt_path}: no complete last.ckpt under {root}. Train first (python main.py fit), "
+            "point --trainer.default_root_dir at the run's root, or pass a checkpoint file."
+        )
+    path = last if ckpt_path == "last" else best_checkpoint(last)
+    config["ckpt_path"] = str(path)
+    if rank_label() == "0":
+        sys.stderr.write(f"{subcommand}: --ckpt_path {ckpt_path} is {path}\n")
+    run = last.parent.parent
+    return run if subcommand == "fit" and last.parent.name == "checkpoints" else None
+
+
+def newest_last_checkpoint(root: Path) -> Path | None:
+    """The most recently written complete `last.ckpt` under `root`: a file that is a whole zip archive (the
+    format torch.save writes; a torn write lacks its end), or a sharded checkpoint's directory with its index."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS]
+        path = Path(dirpath) / "last.ckpt"
+        if "last.ckpt" in filenames and zipfile.is_zipfile(path):
+            found.append((path.stat().st_mtime, path))
+        elif "last.ckpt" in dirnames and (path / ".metadata").is_file():
+            found.append(((path / ".metadata").stat().st_mtime, path))
+    return max(found)[1] if found else None
+
+
+def best_checkpoint(last: Path) -> Path:
+    """The best checkpoint recorded by the checkpoint callback in `last` (its state travels in every save)."""
+    if last.is_dir():
+        raise BadInput(f"--ckpt_path best: {last} is a sharded checkpoint; pass the best one's directory instead.")
+    states = load_lazily(str(last)).get("callbacks") or {}
+    best = [s["best_model_path"] for s in states.values() if isinstance(s, dict) and s.get("best_model_path")]
+    if not best or not Path(best[0]).exists():
+        raise BadInput(f"--ckpt_path best: {last} records no best checkpoint that still exists; pass a file.")
+    return Path(best[0])
 
 
 def world_size(trainer: Any) -> int | None:
@@ -226,10 +317,11 @@ def world_size(trainer: Any) -> int | None:
         count = gpus if wants_gpu else 1 if accelerator in ("cpu", "auto") else None
     else:
         return None
-    if wants_gpu and count and count > gpus:
+    if wants_gpu and (count and count > gpus or not gpus):
         visible = f"only {gpus} GPU{'s' if gpus != 1 else ''} visible" if gpus else "no CUDA GPU is visible"
         fix = f"use --trainer.devices {gpus} or fewer" if gpus else "use --trainer.accelerator cpu"
-        raise BadInput(f"--trainer.devices asks for {count} GPUs but {visible}: {fix}.")
+        asked = f"--trainer.devices asks for {count} GPUs" if count else f"--trainer.accelerator {accelerator}"
+        raise BadInput(f"{asked} but {visible}: {fix}.")
     return count * num_nodes if count else None
 
 

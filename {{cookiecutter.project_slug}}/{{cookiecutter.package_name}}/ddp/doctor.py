@@ -16,7 +16,7 @@ Per rank and per step it measures (host clock; CUDA events for the all-reduce on
 - peak memory: `torch.cuda.max_memory_allocated` on GPU, peak RSS of the process on CPU.
 
 At the end of fit (and every `report_every_n_steps` batches when set) every rank contributes its numbers to
-one `all_gather`; rank 0 prints the report, writes `doctor.json` into the run's log directory, and the
+one `all_gather`; rank 0 prints the report, writes `doctor.json` into the run's log directory (with a logger), and the
 loggers get the same numbers as `doctor/*` scalars. The verdict follows the thresholds of `Thresholds`.
 
 Cost: a few `perf_counter` calls and list appends per step, in Python floats; no `self.log`, no device sync
@@ -212,7 +212,8 @@ class ScalingDoctor(L.Callback):
             return
         summary = self._report(trainer, pl_module, self._total)
         log_dir = trainer.log_dir  # a collective: every rank asks
-        if self.summary_file and log_dir:
+        # Without a logger log_dir is default_root_dir (often the project itself): no run directory to write to.
+        if self.summary_file and log_dir and trainer.logger is not None:
             _write_json(Path(log_dir) / self.summary_file, summary)
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, totals: _Totals) -> dict:
