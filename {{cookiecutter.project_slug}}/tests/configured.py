@@ -51,6 +51,8 @@ def _measure(args: list[str]) -> dict:
         }
         data.setup("test")
         info["test_size"] = len(data.test_set) if data.test_set is not None else 0
+        data.setup("predict")
+        info["predict_size"] = len(data.predict_set) if data.predict_set is not None else 0
     return info
 
 

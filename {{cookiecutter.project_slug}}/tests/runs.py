@@ -174,6 +174,7 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
     if not steps["micro_batch_size"]:  # the data module takes none, or the global batch has no quarter
         first = {name: cmd for name, cmd in first.items() if "-acc" not in name}
     test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *run_args(steps))
+    predict = ("predict", *test[1:])
 
     def second(runs: Waves) -> dict[str, list[str]]:
         one, two = runs["1dev-fp64"], runs["2dev-fp64"]
@@ -186,10 +187,12 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
             ),
             "test-1dev": main_cmd(*test, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
             "test-2dev": main_cmd(*test, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
+            "predict-1dev": main_cmd(*predict, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
+            "predict-2dev": main_cmd(*predict, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
         }
 
     waves = [
         Wave(tuple(first), lambda runs: first),
-        Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev"), second),
+        Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev", "predict-1dev", "predict-2dev"), second),
     ]
     return Waves(tmp_path_factory.mktemp("runs"), waves)

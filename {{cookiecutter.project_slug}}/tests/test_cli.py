@@ -51,7 +51,19 @@ def subcommands(fitted) -> dict[str, str]:
         args = ("--trainer.accelerator", "cpu", "--ckpt_path", ckpt[command], "--trainer.logger", "false")
         return run_ok(command, *args, "--trainer.default_root_dir", str(root), cwd=root)
 
+    (root / "config.yaml").write_text(PROJECT_CONFIG)
     return concurrently(run, COMMANDS)
+
+
+# Stands for the project's own config.yaml in the directory the runs without a logger start from.
+PROJECT_CONFIG = "# the project's config.yaml\n"
+
+
+def test_a_run_without_logger_leaves_the_projects_config_alone(fitted, subcommands):
+    """With `--trainer.logger false` Lightning would save the run's config as <default_root_dir>/config.yaml,
+    over the project's own when run from the project directory: nothing is saved without a logger."""
+    root, _ = fitted
+    assert (root / "config.yaml").read_text() == PROJECT_CONFIG
 
 
 COMMANDS = ("validate", "test", "predict")

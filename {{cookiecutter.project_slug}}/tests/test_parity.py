@@ -86,6 +86,21 @@ def test_logged_training_values_are_global(cpu_runs, global_batch):
             assert abs(a[key] - b[key]) <= METRIC_STATE_ROUNDING * max(abs(a[key]), 1e-12), (key, a["step"])
 
 
+def test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices(cpu_runs, global_batch):
+    """`predict` writes predictions.pt into the run's directory: one prediction per sample of the predict set,
+    and the file's bytes on 2 processes (each sample predicted on one rank, gathered) are 1 device's."""
+    size = global_batch["predict_size"]
+    if not size:
+        pytest.skip("the configured data module has no predict set")
+    one, two = (cpu_runs[f"predict-{n}dev"].version / "predictions.pt" for n in (1, 2))
+    predictions = torch.load(one, weights_only=True)
+    first = predictions
+    while not isinstance(first, torch.Tensor):  # a dict, tuple or list of tensors: look at one of them
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    assert len(first) == size
+    assert one.read_bytes() == two.read_bytes()
+
+
 def eval_records(cpu_runs: Waves, stage: str) -> tuple[dict, list[dict]]:
     """A stage's metrics on 1 device and on each of 2 ranks: the last validation of the fits, or the test runs."""
     if stage == "val":

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
@@ -28,6 +28,7 @@ from .checkpoints import AtomicCheckpointIO
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
 from .lightning_internals import ddp_timeout, is_subprocess_launcher, set_ddp_timeout
+from .predictions import PredictionWriter
 from .processes import (
     LAUNCHER_PID,
     exit_now,
@@ -59,6 +60,18 @@ class ArgumentParser(LightningArgumentParser):
         pass
 
 
+class RunConfigSaver(SaveConfigCallback):
+    """Saves the run's `config.yaml` into its log directory, and nowhere else.
+
+    Without a logger Lightning's log directory is `default_root_dir`, by default the project itself, whose
+    own `config.yaml` the run's would then replace (overwrite is on, for requeued SLURM jobs).
+    """
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if trainer.logger is not None:  # the same on every rank, so the collective inside runs on all or none
+            super().setup(trainer, pl_module, stage)
+
+
 class CLI(LightningCLI):
     """`LightningCLI` plus checks before anything starts, a collective timeout, graceful stop, atomic checkpoints."""
 
@@ -68,6 +81,7 @@ class CLI(LightningCLI):
         else:
             os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks Lightning starts
         kwargs.setdefault("parser_class", ArgumentParser)
+        kwargs.setdefault("save_config_callback", RunConfigSaver)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -161,7 +175,10 @@ class CLI(LightningCLI):
             config["logger"] = TensorBoardLogger(save_dir=run.parent.parent, name=run.parent.name, version=run.name)
         stop = GracefulStop(self._get(self.config, "stop_check_every_n_steps"))
         requeue = [SlurmRequeue()] if self._get(self.config, "slurm_requeue") else []
-        return super()._instantiate_trainer(config, [*callbacks, stop, *requeue])
+        configured = [*(config.get("callbacks") or []), *callbacks]
+        writes = self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured)
+        writer = [PredictionWriter()] if writes else []  # else predictions stay in memory, per rank
+        return super()._instantiate_trainer(config, [*callbacks, stop, *requeue, *writer])
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 

@@ -1,0 +1,83 @@
+"""`python main.py predict` keeps its predictions: one file, every sample once, in dataset order.
+
+Lightning computes predictions on every rank and, without a writer, keeps them in memory only (and with
+several processes, only each rank's own share). `PredictionWriter`, which the CLI adds to `predict`, has
+each rank hand its share with the dataset index of every sample to rank 0, which puts them in dataset
+order and writes `predictions.pt` into the run's log directory: what `predict_step` returned for each
+batch, split into samples and stacked again, so the file is the same on any number of devices.
+"""
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes `<log dir>/<filename>`: `torch.save` of the predictions of the whole predict set in dataset
+    order, with `predict_step`'s structure (a tensor, or a dict, tuple or list of tensors) and the samples
+    along the first dimension. Load it with `torch.load(path, weights_only=True)`.
+
+    Args:
+        filename: File name in the run's log directory (`--trainer.default_root_dir` without a logger).
+    """
+
+    def __init__(self, filename: str = "predictions.pt") -> None:
+        super().__init__(write_interval="epoch")
+        self.filename = filename
+
+    def write_on_epoch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
+        if len(batch_indices) != 1:  # one list per dataloader (Lightning unwraps `predictions` for one)
+            raise ValueError("PredictionWriter writes one predict dataloader; this module returns several.")
+        mine = [
+            (index, sample)
+            for batch, indices in zip(predictions, batch_indices[0], strict=True)
+            for index, sample in zip(indices, unbatch(batch), strict=True)
+        ]
+        shares = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            shares = [None] * trainer.world_size
+            torch.distributed.all_gather_object(shares, mine)
+        log_dir = trainer.log_dir  # a collective: every rank asks
+        if not trainer.is_global_zero:
+            return
+        rows = sorted((row for share in shares for row in share), key=lambda row: row[0])
+        if not rows:
+            return
+        indices = [index for index, _ in rows]
+        if indices != list(range(len(indices))):
+            raise RuntimeError(f"predictions cover sample indices {indices[:5]}...: not each sample exactly once")
+        path = Path(log_dir or trainer.default_root_dir) / self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp")
+        torch.save(stack([sample for _, sample in rows]), temporary)
+        os.replace(temporary, path)  # a reader never sees half a file
+        sys.stderr.write(f"predict: wrote {len(rows)} predictions to {path}\n")
+
+
+def unbatch(batch: Any) -> list[Any]:
+    """A batch of predictions as one prediction per sample (on the CPU, for gathering)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.detach().cpu().unbind(0))
+    if isinstance(batch, dict):
+        columns = {key: unbatch(value) for key, value in batch.items()}
+        return [dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)]
+    if isinstance(batch, (list, tuple)):
+        return [type(batch)(row) for row in zip(*(unbatch(value) for value in batch), strict=True)]
+    raise TypeError(f"predict_step returned {type(batch).__name__}: return a tensor, or a dict/tuple/list of them")
+
+
+def stack(samples: list[Any]) -> Any:
+    """The inverse of `unbatch`: per-sample predictions stacked along a new first dimension."""
+    first = samples[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(samples)
+    if isinstance(first, dict):
+        return {key: stack([sample[key] for sample in samples]) for key in first}
+    return type(first)(stack(list(column)) for column in zip(*samples, strict=True))
