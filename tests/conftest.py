@@ -1,6 +1,7 @@
 """Bake the template into temporary directories."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,4 +39,22 @@ def fresh_env(venv: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+def torch_pin() -> str:
+    """The torch requirement a baked project pins (`torch==X.Y.Z`), from the template's pyproject.toml."""
+    text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "pyproject.toml").read_text()
+    return re.search(r'"(torch==[^"]+)"', text).group(1)
+
+
+@pytest.fixture(scope="session")
+def baked_env(tmp_path_factory) -> dict[str, str]:
+    """A new virtual environment holding only the pinned torch (this machine's CPU wheel; it is installed
+    first, as every install instruction says), shared by the tests that then install a baked project into
+    it with that project's own install step. Returns the environment variables that select it."""
+    env = fresh_env(tmp_path_factory.mktemp("venv") / "venv")
+    cmd = ["python", "-m", "pip", "install", "-q", torch_pin()]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return env

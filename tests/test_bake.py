@@ -2,6 +2,7 @@
 
 import os
 import py_compile
+import re
 import shlex
 import shutil
 import signal
@@ -12,15 +13,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEMPLATE, bake, fresh_env
+from conftest import TEMPLATE, bake
 from cookiecutter.exceptions import FailedHookException
 
 COMMON = {
     ".gitignore",
+    "LICENSE",
     "README.md",
     "cluster/slurm.sbatch",
     "cluster/torchrun.sh",
     "config.yaml",
+    "configs/debug.yaml",
     "configs/model_parallel.yaml",
     "docs/scaling-2cpu.png",
     "faults.py",
@@ -41,6 +44,7 @@ COMMON = {
     "ddp_digits/ddp/doctor.py",
     "ddp_digits/ddp/lightning_internals.py",
     "ddp_digits/ddp/parity.py",
+    "ddp_digits/ddp/predictions.py",
     "ddp_digits/ddp/processes.py",
     "ddp_digits/ddp/requeue.py",
     "ddp_digits/ddp/sampling.py",
@@ -124,6 +128,23 @@ def test_without_github_actions_the_workflow_is_removed(tmp_path):
     project = bake(tmp_path, github_actions="no")
     assert files(project) == COMMON
     assert not (project / ".github").exists()
+
+
+@pytest.mark.parametrize(
+    ("license", "first_line"),
+    [("MIT", "MIT License"), ("Apache-2.0", "Apache License"), ("BSD-3-Clause", "BSD 3-Clause License"), ("none", None)],
+)
+def test_license_prompt_writes_the_license_and_declares_it(tmp_path, license, first_line):
+    """The chosen license is the LICENSE file (with the author and year in its copyright line) and the SPDX
+    `license` of pyproject.toml; `none` leaves neither."""
+    project = bake(tmp_path, license=license, author_name="Ada Lovelace")
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    if first_line is None:
+        assert not (project / "LICENSE").exists() and "license" not in meta
+        return
+    text = (project / "LICENSE").read_text()
+    assert text.strip().splitlines()[0].strip() == first_line and meta["license"] == license
+    assert re.search(r"Copyright (\(c\) )?20\d\d,? Ada Lovelace\n", text), text[-800:]
 
 
 def test_custom_names_reach_paths_and_imports(tmp_path):
@@ -223,6 +244,11 @@ def test_cookiecutter_command_line_no_input(tmp_path):
     )
     assert result.returncode == 0, result.stdout
     assert (tmp_path / "cli-made" / "cli_made" / "digits" / "module.py").is_file()
+    # Then the next steps, with the torch that the project pins.
+    pins = tomllib.loads((tmp_path / "cli-made" / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_pin,) = [d for d in pins if d.startswith("torch==")]
+    assert "Baked cli-made/. Next" in result.stdout and "\n  cd cli-made\n" in result.stdout
+    assert f"pip install {torch_pin} " in result.stdout and "python main.py fit" in result.stdout
 
 
 def workflow_steps(project: Path) -> list[str]:
@@ -391,7 +417,7 @@ def point_config_at(project: Path, model: str, data: str, monitor: str, mode: st
 
 
 @pytest.fixture(scope="module")
-def own_project(tmp_path_factory) -> tuple[Path, dict, list[str]]:
+def own_project(tmp_path_factory, baked_env) -> tuple[Path, dict, list[str]]:
     """A project baked with the LM example, a model and a data module of the user's own written from scratch
     in new files (dict batches, dropout, val_loss; the data module subclasses the base, nothing subclasses
     the example) and config.yaml pointed at them, installed by the baked workflow's own install steps in a
@@ -408,7 +434,7 @@ def own_project(tmp_path_factory) -> tuple[Path, dict, list[str]]:
     point_config_at(
         project, "my_project.wave_model.WaveRegressor", "my_project.wave_data.WaveData", "val_loss", "min"
     )
-    env = fresh_env(base / "venv")
+    env = baked_env
     steps = workflow_steps(project)
     assert steps[1] == 'pip install -e ".[dev]"'
     local_torch = steps[0].split(" --index-url")[0]  # the same pin, from this machine's own wheel
@@ -424,6 +450,7 @@ def test_own_model_and_data_keep_the_guarantees(own_project):
     project, env, steps = own_project
     assert steps == ["ruff check .", "pytest", "pytest -m machinery"]
     skips = []
+    before = {p.name for p in project.iterdir()}
     for step in steps:
         result = run(["bash", "-c", step], project, timeout=1200, env=env)
         print(f"$ {step}\n{result.stdout[-3000:]}")
@@ -432,6 +459,8 @@ def test_own_model_and_data_keep_the_guarantees(own_project):
             assert " passed" in result.stdout and " failed" not in result.stdout
             skips += [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all(("GPU" in s or "CUDA" in s or "does not shard its layers" in s) for s in skips), skips
+    # The suites write into temporary directories only (no doctor.json, runs/ or lightning_logs/ left here).
+    assert {p.name for p in project.iterdir()} - before <= {".pytest_cache", ".ruff_cache"}
 
 
 # The parity tests that read only the first wave of runs (tests/runs.py): enough to catch each bug below.
