@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from {{ cookiecutter.package_name }}.ddp.sampling import GlobalBatchSampler, ResumableLoader, eval_sampler
+from {{ cookiecutter.package_name }}.ddp.sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
 DATA = TensorDataset(torch.arange(103))
 
@@ -97,3 +97,15 @@ def test_completed_epoch_resumes_at_the_next_one():
     restored = loader(1, 0)
     restored.load_state_dict({"epoch": 3, "global_batches_done": 12})
     assert restored.sampler.epoch == 4 and len(list(restored)) == 12
+
+
+@pytest.mark.parametrize(("n", "batch", "world"), [(10, 4, 1), (10, 4, 2), (10, 4, 3), (9, 3, 2), (2, 4, 2)])
+def test_block_sampler_deals_the_1_device_batches_whole(n, batch, world):
+    """Each rank gets whole batches of the 1-device order (batches r, r + N, ...): together every sample once,
+    and every batch is a batch of 1 device, so batch-dependent rounding cannot differ."""
+    one = [list(range(i, min(i + batch, n))) for i in range(0, n, batch)]
+    dealt = []
+    for rank in range(world):
+        indices = list(BlockSampler(list(range(n)), batch, world, rank))
+        dealt += [indices[i : i + batch] for i in range(0, len(indices), batch)]
+    assert sorted(dealt) == one

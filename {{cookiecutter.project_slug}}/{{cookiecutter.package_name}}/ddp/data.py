@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from .sampling import GlobalBatchSampler, ResumableLoader, eval_sampler
+from .sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
 
 class GlobalBatchDataModule(L.LightningDataModule):
@@ -167,4 +167,11 @@ class GlobalBatchDataModule(L.LightningDataModule):
         return self._eval_loader(self.test_set, "test")
 
     def predict_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.predict_set, "predict")
+        if self.predict_set is None:
+            raise ValueError(f"{type(self).__name__}.predict_dataset() returned None: there is no predict set")
+        # The 1-device batches (micro-batches if set), dealt whole to the ranks: predictions are the same
+        # bits on any number of devices (sampling.BlockSampler).
+        batch = self.micro_batch_size or self.global_batch_size
+        rank = self.trainer.global_rank if self.trainer else 0
+        sampler = BlockSampler(self.predict_set, batch, self.world_size, rank)
+        return DataLoader(self.predict_set, batch_size=batch, sampler=sampler, **self.loader_kwargs())

@@ -143,3 +143,26 @@ class ResumableLoader(DataLoader):
 def eval_sampler(dataset: Dataset, num_replicas: int, rank: int) -> DistributedSampler:
     """Every sample on exactly one rank, none repeated: ranks may hold one sample more or less."""
     return UnrepeatedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+
+
+class BlockSampler(DistributedSampler):
+    """Rank r's share in whole batches of the 1-device order: batches r, r + N, r + 2N, ... of `batch_size`.
+
+    Every batch holds the same samples in the same order on any number of devices. A result that depends
+    on its batch only through rounding (matrix kernels chosen by the batch's size, the position of a row
+    in the kernel's blocks) then has the same bits too: `predict` writes the same file on 1 and N devices,
+    where round-robin sharding (`eval_sampler`) differed by one unit in the last place.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        n = len(dataset)  # type: ignore[arg-type]
+        batches = range(rank, -(-n // batch_size), num_replicas)
+        self.indices = [i for b in batches for i in range(b * batch_size, min((b + 1) * batch_size, n))]
+        self.num_samples = len(self.indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return self.num_samples
