@@ -85,21 +85,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if "://" in str(path) and not str(path).startswith("file://"):
             return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)  # left by a writer that was killed
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # makes the rename itself durable
-        finally:
-            os.close(directory)
+        atomic_save(checkpoint, Path(path))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         # Tensors and plain containers only unless the caller asks otherwise: a checkpoint file
@@ -112,3 +98,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """`torch.save` to a temporary file, fsync, rename into place: `path` is the old or the new whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)  # left by a writer that was killed
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # makes the rename itself durable
+    finally:
+        os.close(directory)

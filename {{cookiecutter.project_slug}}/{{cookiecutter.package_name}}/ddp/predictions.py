@@ -7,7 +7,6 @@ order and writes `predictions.pt` into the run's log directory: what `predict_st
 batch, split into samples and stacked again, so the file is the same on any number of devices.
 """
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+
+from .checkpoints import atomic_save
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -54,10 +55,7 @@ class PredictionWriter(BasePredictionWriter):
         if indices != list(range(len(indices))):
             raise RuntimeError(f"predictions cover sample indices {indices[:5]}...: not each sample exactly once")
         path = Path(log_dir or trainer.default_root_dir) / self.filename
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp")
-        torch.save(stack([sample for _, sample in rows]), temporary)
-        os.replace(temporary, path)  # a reader never sees half a file
+        atomic_save(stack([sample for _, sample in rows]), path)  # a reader never sees half a file
         sys.stderr.write(f"predict: wrote {len(rows)} predictions to {path}\n")
 
 
