@@ -2,7 +2,8 @@
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
 1 and 2 devices in float64 and float32, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
-2 devices x 2), runs resumed mid-epoch on the other device count, and `test` on 1 and 2 devices.
+2 devices x 2), runs resumed mid-epoch on the other device count (2 -> 1 from a copy of the checkpoint
+tagged as written on GPUs), and `test` on 1 and 2 devices.
 test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
 data module (tests/configured.py).
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_cuda import save_as_cuda
 from helpers import MAIN, finish, kill, start
 
 from {{ cookiecutter.package_name }}.ddp.parity import load_weights
@@ -158,6 +160,15 @@ class Wave:
     error: str = ""
 
 
+def as_cuda(run: Run, steps: dict) -> Path:
+    """`run`'s checkpoint 3/4 into epoch 0, saved again with every tensor tagged as stored on cuda:0."""
+    path = run.mid_checkpoint(steps["two_to_one"])
+    cuda = path.with_name(f"{path.stem}-cuda.ckpt")
+    if not cuda.exists():
+        save_as_cuda(torch.load(path, map_location="cpu", weights_only=False), cuda)
+    return cuda
+
+
 @pytest.fixture(scope="session")
 def cpu_runs(tmp_path_factory, steps) -> Waves:
     """Every CPU run the tests compare, in two waves: the second starts from the first's checkpoints."""
@@ -179,9 +190,8 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
     def second(runs: Waves) -> dict[str, list[str]]:
         one, two = runs["1dev-fp64"], runs["2dev-fp64"]
         return {
-            "resume-2to1": main_cmd(
-                *fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(two.mid_checkpoint(steps["two_to_one"])))
-            ),
+            # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
+            "resume-2to1": main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps)))),
             "resume-1to2": main_cmd(
                 *fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))
             ),

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from runs import Run, Waves, fit, main_cmd, run_all
+from runs import Run, Waves, as_cuda, fit, main_cmd, run_all
 
 from {{ cookiecutter.package_name }}.ddp.parity import diff, max_abs, read_scalars, report, scalar_diffs, weight_diffs
 from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
@@ -198,6 +198,17 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
 
 
+def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
+    """A checkpoint whose tensors are tagged cuda:0 (as saved on a GPU) resumes on CPU (resume-2to1 started from
+    one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
+    resumed = cpu_runs["resume-2to1"]
+    locations = []
+    torch.load(as_cuda(cpu_runs["2dev-fp64"], steps), map_location=lambda s, loc: locations.append(loc) or s)
+    assert locations and set(locations) == {"cuda:0"}
+    assert resumed.global_step() == 2 * steps["steps_per_epoch"]
+    assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
+
+
 @pytest.mark.parametrize("run", ["1dev-acc4-fp64", "2dev-acc2-fp64"])
 def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
     """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights."""
@@ -248,7 +259,7 @@ def test_compare_command_passes_and_fails_on_its_bound(cpu_runs, capsys):
 
 GPUS = torch.cuda.device_count()
 needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"CUDA/NCCL parity needs 2 visible GPUs, found {GPUS}")
-GPU_PRECISIONS = ["32-true", "bf16-mixed"]
+GPU_PRECISIONS = ["64-true", "32-true", "bf16-mixed"]  # float64 first: the strict check
 
 
 @pytest.fixture(scope="session")
