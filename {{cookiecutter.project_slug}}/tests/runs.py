@@ -1,7 +1,7 @@
 """The real `main.py` runs the guarantee tests share, made once per session (`cpu_runs`).
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
-1 and 2 devices in float64 and float32, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
+1 and 2 devices in float64, float32 and bf16-mixed, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
 2 devices x 2), runs resumed mid-epoch on the other device count (2 -> 1 from a copy of the checkpoint
 tagged as written on GPUs), and `test` on 1 and 2 devices.
 test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
@@ -178,6 +178,8 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
         "2dev-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true")),  # Lightning's own launcher
         "1dev-fp32": main_cmd(*fit(steps, "cpu", 1, "32-true")),
         "2dev-fp32": main_cmd(*fit(steps, "cpu", 2, "32-true")),
+        "1dev-bf16": main_cmd(*fit(steps, "cpu", 1, "bf16-mixed")),
+        "2dev-bf16": main_cmd(*fit(steps, "cpu", 2, "bf16-mixed")),
         "torchrun-fp64": torchrun_cmd(*fit(steps, "cpu", 2, "64-true")),
         "1dev-acc4-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)),
         "2dev-acc2-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)),

@@ -23,13 +23,21 @@ from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
 # 1.2e-13, float32 at most 8.4e-5 (seed 7; 5 of 8 seeds exceed 1e-5: AdamW divides by sqrt(v), so
 # parameters with tiny gradients turn rounding into visible update differences). float64 is the strict
 # check; the float32 bound is 2.4x the worst seed. A wider model (3 x 512) reached 0.2 in float32 at
-# seed 0 while float64 agreed to 2e-13: for big models trust float64. GPU bounds are not measured here.
+# seed 0 while float64 agreed to 2e-13: for big models trust float64.
+# bf16-mixed is compared on the logged values only (BF16_SCALARS): 1 vs 2 CPU processes, 32 steps, seeds 0-4,
+# MLP 128x2 and 512x3, differ in weights by 0.09-0.17 max_rel (each rank's partial gradient sums round to
+# bf16 apart, and AdamW enlarges that), less than bf16 itself moves them from float32 (0.23-0.50): a weight
+# bound would pass a broken run. The logged loss, val loss and val acc differed by at most BF16_MEASURED
+# (val/acc: one sample of 359), 1 process bf16 vs float32 by up to 1.3e-2.
+# GPU bounds are CPU's, not measured on GPUs (.ci/gpu_check.py in the template runs them).
 BOUNDS = {
     ("cpu", "64-true"): 1e-12,
     ("cpu", "32-true"): 2e-4,
+    ("gpu", "64-true"): 1e-12,
     ("gpu", "32-true"): 1e-4,
-    ("gpu", "bf16-mixed"): 5e-2,
 }
+BF16_MEASURED = 3.3e-3
+BF16_SCALARS = 1e-2  # 3x the worst measured
 # torchmetrics keeps its sums in float32 even in a float64 run; adding 359 losses in two parts and
 # adding them at once may round apart (measured: equal in float64 runs, 8e-8 in float32 runs).
 METRIC_STATE_ROUNDING = 1e-6
@@ -59,6 +67,13 @@ def test_both_ranks_end_bit_identical(cpu_runs):
     probe = cpu_runs["2dev-fp32"].root / "probe"
     rank0, rank1 = (torch.load(probe / f"fit-rank{r}.pt") for r in (0, 1))
     assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+
+
+def test_bf16_logged_values_match_every_step(cpu_runs, steps):
+    """bf16-mixed: every logged tag at every step (loss curves, validation) matches 1 device within BF16_SCALARS."""
+    one, two = cpu_runs["1dev-bf16"], cpu_runs["2dev-bf16"]
+    assert one.global_step() == two.global_step() == 2 * steps["steps_per_epoch"]
+    assert_scalars_close(one, two, BF16_SCALARS)
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
@@ -274,16 +289,19 @@ def gpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
     return runs
 
 
+@pytest.mark.gpu
 @needs_2_gpus
-@pytest.mark.parametrize("precision", GPU_PRECISIONS)
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])  # bf16: logged values only (BF16_SCALARS)
 def test_gpu_weights_match_1_vs_2_gpus(gpu_runs, precision):
     """On CUDA/NCCL, 1 and 2 GPUs end within the precision's bound on every parameter."""
     assert_weights_close(gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"], BOUNDS["gpu", precision])
 
 
+@pytest.mark.gpu
 @needs_2_gpus
 @pytest.mark.parametrize("precision", GPU_PRECISIONS)
 def test_gpu_logged_scalars_match_1_vs_2_gpus(gpu_runs, precision):
     """On CUDA/NCCL, every logged tag at every step matches within the precision's bound."""
     one, two = gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"]
-    assert_scalars_close(one, two, max(BOUNDS["gpu", precision], FLOAT32_STORAGE))
+    bound = BF16_SCALARS if precision == "bf16-mixed" else BOUNDS["gpu", precision]
+    assert_scalars_close(one, two, max(bound, FLOAT32_STORAGE))
