@@ -24,11 +24,6 @@ from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
 # parameters with tiny gradients turn rounding into visible update differences). float64 is the strict
 # check; the float32 bound is 2.4x the worst seed. A wider model (3 x 512) reached 0.2 in float32 at
 # seed 0 while float64 agreed to 2e-13: for big models trust float64.
-# bf16-mixed is compared on the logged values only (BF16_SCALARS): 1 vs 2 CPU processes, 32 steps, seeds 0-4,
-# MLP 128x2 and 512x3, differ in weights by 0.09-0.17 max_rel (each rank's partial gradient sums round to
-# bf16 apart, and AdamW enlarges that), less than bf16 itself moves them from float32 (0.23-0.50): a weight
-# bound would pass a broken run. The logged loss, val loss and val acc differed by at most BF16_MEASURED
-# (val/acc: one sample of 359), 1 process bf16 vs float32 by up to 1.3e-2.
 # GPU bounds are CPU's, not measured on GPUs (.ci/gpu_check.py in the template runs them).
 BOUNDS = {
     ("cpu", "64-true"): 1e-12,
@@ -36,8 +31,15 @@ BOUNDS = {
     ("gpu", "64-true"): 1e-12,
     ("gpu", "32-true"): 1e-4,
 }
-BF16_MEASURED = 3.3e-3
-BF16_SCALARS = 1e-2  # 3x the worst measured
+# bf16-mixed: no fixed bound and no weights. Measured, 1 vs 2 CPU processes, 32 steps, seeds 0-4, the digits
+# MLP at 128x2 and 512x3: weights differ by 0.09-0.17 (128x2) and 0.51-0.57 (512x3) max_rel, as much as bf16
+# itself moves them from float32 (0.23-0.50, 0.60-0.70; each rank's partial gradient sum rounds to bf16 on its
+# own, and AdamW enlarges that). The logged values (loss curve, val loss, val acc) differed by up to 3.3e-3 at
+# 128x2 (one val sample of 359) but 3.1e-2 at 512x3: bf16's own effect (1 process, bf16 vs float32) grows with
+# the model, and the 1-vs-2 difference with it. So the criterion is relative: 1 vs 2 devices in bf16 differ in
+# every logged value at every step by at most BF16_FACTOR times bf16 vs float32 on 1 device; the measured
+# ratio was 0.2-1.04 (10 runs), so 3 leaves ~3x margin.
+BF16_FACTOR = 3.0
 # torchmetrics keeps its sums in float32 even in a float64 run; adding 359 losses in two parts and
 # adding them at once may round apart (measured: equal in float64 runs, 8e-8 in float32 runs).
 METRIC_STATE_ROUNDING = 1e-6
@@ -69,11 +71,18 @@ def test_both_ranks_end_bit_identical(cpu_runs):
     assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
 
 
-def test_bf16_logged_values_match_every_step(cpu_runs, steps):
-    """bf16-mixed: every logged tag at every step (loss curves, validation) matches 1 device within BF16_SCALARS."""
+def assert_bf16_close(one: Run, two: Run, one_float32: Run) -> None:
+    """1 vs 2 devices in bf16-mixed: every logged value within BF16_FACTOR x what bf16 changes on 1 device."""
+    rounding = scalar_diffs(read_scalars(one_float32.version), read_scalars(one.version))
+    assert_scalars_close(one, two, BF16_FACTOR * max(rounding[0].max_rel, FLOAT32_STORAGE))
+
+
+def test_bf16_logged_values_differ_less_than_bf16_from_float32(cpu_runs, steps):
+    """bf16-mixed: every logged tag at every step (loss curve, validation) of 1 and 2 devices differs by at most
+    BF16_FACTOR times the difference between bf16 and float32 on 1 device."""
     one, two = cpu_runs["1dev-bf16"], cpu_runs["2dev-bf16"]
     assert one.global_step() == two.global_step() == 2 * steps["steps_per_epoch"]
-    assert_scalars_close(one, two, BF16_SCALARS)
+    assert_bf16_close(one, two, cpu_runs["1dev-fp32"])
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
@@ -291,7 +300,7 @@ def gpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
 
 @pytest.mark.gpu
 @needs_2_gpus
-@pytest.mark.parametrize("precision", ["64-true", "32-true"])  # bf16: logged values only (BF16_SCALARS)
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])  # bf16: logged values only (BF16_FACTOR)
 def test_gpu_weights_match_1_vs_2_gpus(gpu_runs, precision):
     """On CUDA/NCCL, 1 and 2 GPUs end within the precision's bound on every parameter."""
     assert_weights_close(gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"], BOUNDS["gpu", precision])
@@ -303,5 +312,7 @@ def test_gpu_weights_match_1_vs_2_gpus(gpu_runs, precision):
 def test_gpu_logged_scalars_match_1_vs_2_gpus(gpu_runs, precision):
     """On CUDA/NCCL, every logged tag at every step matches within the precision's bound."""
     one, two = gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"]
-    bound = BF16_SCALARS if precision == "bf16-mixed" else BOUNDS["gpu", precision]
-    assert_scalars_close(one, two, max(bound, FLOAT32_STORAGE))
+    if precision == "bf16-mixed":
+        assert_bf16_close(one, two, gpu_runs["1gpu-32-true"])
+    else:
+        assert_scalars_close(one, two, max(BOUNDS["gpu", precision], FLOAT32_STORAGE))
