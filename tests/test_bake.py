@@ -57,6 +57,7 @@ COMMON = {
     "tests/doctor_cases.py",
     "tests/doctor_overhead.py",
     "tests/fake_cluster.py",
+    "tests/fake_cuda.py",
     "tests/faulty.py",
     "tests/helpers.py",
     "tests/parity_probe.py",

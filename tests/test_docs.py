@@ -151,6 +151,8 @@ GENERATED = {
     ),
     "pytest": Elsewhere(OWN_PROJECT),
     "pytest -m machinery": Elsewhere(OWN_PROJECT),
+    # Here (no GPU) every GPU test skips with its reason: the marker selects them and nothing else runs.
+    "pytest -m gpu": Run(expect=[" skipped"], absent=["passed", "failed", "error"]),
 }
 
 ROOT = {
@@ -166,6 +168,9 @@ ROOT = {
     ),
     "pip install torch==2.13.0 && pip install -r requirements.txt && python -m pytest tests": Elsewhere(
         "tests/test_bake.py::test_ci_runs_the_readme_test_command"
+    ),
+    "python .ci/gpu_check.py": NeedsGPU(
+        "no CUDA GPU is visible: .ci/gpu_check.py runs what needs one; CI runs the rest"
     ),
 }
 
@@ -313,6 +318,16 @@ def test_root_readme_main_job_works(tmp_path):
     result = run(["bash", "-c", check.command], tmp_path, 300, env)
     assert result.returncode == 0, result.stdout[-5000:]
     assert all(text in result.stdout for text in check.expect), result.stdout[-5000:]
+
+
+def test_root_readme_gpu_check_refuses_without_a_gpu():
+    """`python .ci/gpu_check.py` on this GPU-less machine: one `error:` line and status 2, nothing baked or run."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the check would run (for an hour), not refuse")
+    (command,) = [c for c, check in ROOT.items() if isinstance(check, NeedsGPU)]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = run(["bash", "-c", command], TEMPLATE, 120, env)
+    assert result.returncode == 2 and result.stdout.strip() == f"error: {ROOT[command].error}", result.stdout
 
 
 def test_root_readme_test_command_is_what_ci_runs():

@@ -1,9 +1,10 @@
-"""Inject faults into real 2-process CPU runs and report how the job ends.
+"""Inject faults into real 2-process runs (CPU by default) and report how the job ends.
 
     python faults.py                 # every scenario once
     python faults.py --runs 5 raise hang sigterm
+    python faults.py --accelerator gpu hang sigterm   # 2 GPUs: NCCL instead of gloo
 
-Each run starts `main.py fit` on 2 CPU processes in its own session, injects one
+Each run starts `main.py fit` on 2 processes in its own session, injects one
 fault, and measures: the exit status, the seconds from the fault to the last
 process of the job being gone, processes of the job still alive 5 s after the
 launcher exited (orphans, then killed), and whether the newest checkpoint is
@@ -201,14 +202,21 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[], help="default: all")
     parser.add_argument("--runs", type=int, default=1, help="runs per scenario")
     parser.add_argument("--dist_timeout", type=float, default=20, help="--dist_timeout of the runs, seconds")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="gpu: NCCL (needs 2 GPUs)")
     args = parser.parse_args()
+    # Under NCCL a hang ends when torch's watchdog tears a process down, after it has given the flight
+    # recorder time to dump (tens of seconds past the timeout): more time before a job counts as hung.
+    deadline = 120 if args.accelerator == "cpu" else args.dist_timeout + 300
     print(
         f"{'scenario':<11} {'runs':>4} {'exits non-zero':>14} {'max s to exit':>13} {'orphans left':>12} "
         f"{'ckpts lost':>10}  what"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.scenarios or SCENARIOS:
-            results = [run_scenario(name, Path(tmp) / f"{name}{i}", args.dist_timeout) for i in range(args.runs)]
+            results = [
+                run_scenario(name, Path(tmp) / f"{name}{i}", args.dist_timeout, deadline, args.accelerator)
+                for i in range(args.runs)
+            ]
             nonzero = sum(r.returncode not in (0, None) for r in results)
             hung = sum(r.returncode is None for r in results)
             lost = sum(r.checkpoint_lost for r in results) if SCENARIOS[name].checkpoint else "-"

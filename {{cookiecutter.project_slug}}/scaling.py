@@ -149,12 +149,11 @@ def sweep(devices: list[int], out: Path, fit_args: list[str], max_steps: int, ti
 
 
 # ---- preflight -------------------------------------------------------------------------------------------
-def _rank_report(rank: int, world: int, port: int, queue) -> None:
+def _rank_report(rank: int, world: int, port: int, queue, cuda: bool) -> None:
     """One process of the preflight: join the process group as training would, report what it sees."""
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(rank)  # one node: local rank = rank, as Lightning maps it
@@ -169,17 +168,28 @@ def _rank_report(rank: int, world: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _num_workers(fit_args: list[str]) -> str:
-    """The effective --data.num_workers of a fit with these args, from `main.py fit --print_config`."""
+def _fit_config(fit_args: list[str]) -> dict | None:
+    """The merged config of a fit with these args (`main.py fit --print_config`), None if it fails."""
     import yaml
 
     out = subprocess.run(
         [sys.executable, str(MAIN), "fit", *fit_args, "--print_config"], capture_output=True, text=True, timeout=300
     )
-    if out.returncode != 0:
+    return yaml.safe_load(out.stdout) if out.returncode == 0 else None
+
+
+def _num_workers(config: dict | None) -> str:
+    """The fit's effective --data.num_workers."""
+    if config is None:
         return "? (fit --print_config failed)"
-    data = yaml.safe_load(out.stdout).get("data") or {}
+    data = config.get("data") or {}
     return str((data.get("init_args") or data).get("num_workers", "? (not an argument of this data module)"))
+
+
+def _uses_cuda(config: dict | None, cuda_available: bool) -> bool:
+    """Whether the fit runs on GPUs: `--trainer.accelerator gpu/cuda`, or `auto` with a GPU visible."""
+    accelerator = ((config or {}).get("trainer") or {}).get("accelerator", "auto")
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and cuda_available)
 
 
 def preflight(devices: int, fit_args: list[str]) -> None:
@@ -187,9 +197,10 @@ def preflight(devices: int, fit_args: list[str]) -> None:
     import torch
     import torch.multiprocessing as mp
 
-    cuda = torch.cuda.is_available()
+    config = _fit_config(fit_args)
+    cuda = _uses_cuda(config, torch.cuda.is_available())  # the fit's accelerator: cpu means gloo, GPUs or not
     cores = visible_cores()
-    print(f"torch {torch.__version__}, CUDA available: {cuda}")
+    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"visible devices (torch.cuda.device_count()): {torch.cuda.device_count()}")
     print(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(not set)')}")
     print(f"backend: {'nccl' if cuda else 'gloo'}")
@@ -198,13 +209,13 @@ def preflight(devices: int, fit_args: list[str]) -> None:
     # Lightning gives each rank cores // ranks threads unless OMP_NUM_THREADS is set.
     print(f"CPU cores visible: {cores}; per rank with {devices} ranks: {max(1, cores // devices)}")
     print(f"OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS', '(not set: Lightning sets cores per rank)')}")
-    print(f"dataloader workers per rank (--data.num_workers): {_num_workers(fit_args)}")
+    print(f"dataloader workers per rank (--data.num_workers): {_num_workers(config)}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_rank_report, args=(devices, port, queue), nprocs=devices, start_method="spawn")
+    mp.start_processes(_rank_report, args=(devices, port, queue, cuda), nprocs=devices, start_method="spawn")
     reports = sorted(queue.get() for _ in range(devices))
     print("rank | device | current_device | name | cores visible | all_reduce(1)")
     for rank, device, current, name, rank_cores, total in reports:

@@ -2,6 +2,7 @@
 
 import pytest
 from configured import describe
+from fake_cuda import fake_env
 from runs import cpu_runs, steps  # noqa: F401  (session fixtures: the shared real runs)
 
 
@@ -20,3 +21,11 @@ def global_batch(configured) -> dict:
             "evaluation are not guaranteed for it (README, 'Your own model and data')"
         )
     return configured
+
+
+@pytest.fixture(scope="session")
+def fake_gpus(tmp_path_factory):
+    """`fake_gpus(n)`: environment in which a subprocess's torch.cuda reports n GPUs (tests/fake_cuda.py), so
+    checks that only ask torch.cuda take the branch a machine with n GPUs takes, on any machine."""
+    site = tmp_path_factory.mktemp("fake-cuda-site")
+    return lambda gpus: fake_env(site, gpus)

@@ -1,8 +1,9 @@
 """The real `main.py` runs the guarantee tests share, made once per session (`cpu_runs`).
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
-1 and 2 devices in float64 and float32, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
-2 devices x 2), runs resumed mid-epoch on the other device count, and `test` on 1 and 2 devices.
+1 and 2 devices in float64, float32 and bf16-mixed, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
+2 devices x 2), runs resumed mid-epoch on the other device count (2 -> 1 from a copy of the checkpoint
+tagged as written on GPUs), and `test` on 1 and 2 devices.
 test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
 data module (tests/configured.py).
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_cuda import save_as_cuda
 from helpers import MAIN, finish, kill, start
 
 from {{ cookiecutter.package_name }}.ddp.parity import load_weights
@@ -158,9 +160,19 @@ class Wave:
     error: str = ""
 
 
+def as_cuda(run: Run, steps: dict) -> Path:
+    """`run`'s checkpoint 3/4 into epoch 0, saved again with every tensor tagged as stored on cuda:0."""
+    path = run.mid_checkpoint(steps["two_to_one"])
+    cuda = path.with_name(f"{path.stem}-cuda.ckpt")
+    if not cuda.exists():
+        save_as_cuda(torch.load(path, map_location="cpu", weights_only=False), cuda)
+    return cuda
+
+
 @pytest.fixture(scope="session")
 def cpu_runs(tmp_path_factory, steps) -> Waves:
-    """Every CPU run the tests compare, in two waves: the second starts from the first's checkpoints."""
+    """Every CPU run the tests compare, in waves: the resumes and evaluations start from the first's
+    checkpoints; bf16 runs on its own."""
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
     first = {
         "1dev-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true")),
@@ -179,9 +191,8 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
     def second(runs: Waves) -> dict[str, list[str]]:
         one, two = runs["1dev-fp64"], runs["2dev-fp64"]
         return {
-            "resume-2to1": main_cmd(
-                *fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(two.mid_checkpoint(steps["two_to_one"])))
-            ),
+            # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
+            "resume-2to1": main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps)))),
             "resume-1to2": main_cmd(
                 *fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))
             ),
@@ -191,8 +202,10 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
             "predict-2dev": main_cmd(*predict, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
         }
 
+    bf16 = {name: main_cmd(*fit(steps, "cpu", int(name[0]), "bf16-mixed")) for name in ("1dev-bf16", "2dev-bf16")}
     waves = [
         Wave(tuple(first), lambda runs: first),
+        Wave(tuple(bf16), lambda runs: bf16),  # apart: only the bf16 test asks for them
         Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev", "predict-1dev", "predict-2dev"), second),
     ]
     return Waves(tmp_path_factory.mktemp("runs"), waves)

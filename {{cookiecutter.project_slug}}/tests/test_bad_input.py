@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from fake_cuda import SITECUSTOMIZE as FAKE_CUDA_SITECUSTOMIZE
 from helpers import PROJECT, run_main, run_ok
 from toy import PlainToyData, ToyClassifier
 
@@ -24,11 +25,13 @@ TOY = ("--config", str(PROJECT / "tests/toy.yaml"))  # the tests' own model and 
 TESTS_ON_PATH = {"PYTHONPATH": str(PROJECT / "tests")}
 
 # Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
-SITECUSTOMIZE = """
+# Then fakes the GPUs a case asks for (FAKE_CUDA_DEVICES).
+SPAWN_MARKER = """
 import os
 if os.environ.get("LOCAL_RANK", "0") != "0":
     open(os.environ["SPAWN_MARKER"], "w").close()
 """
+SITECUSTOMIZE = SPAWN_MARKER + FAKE_CUDA_SITECUSTOMIZE
 
 
 class Payload:
@@ -56,6 +59,10 @@ CASES = {
         ["--trainer.accelerator", "gpu", "--trainer.devices", "auto"],
         "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu",
     ),
+    "1 GPU, 2 asked": (
+        ["--trainer.accelerator", "auto"],
+        "--trainer.devices asks for 2 GPUs but only 1 GPU visible: use --trainer.devices 1 or fewer",
+    ),
     "nothing to resume": (["--ckpt_path", "last"], "--ckpt_path last: no complete last.ckpt under"),
     "indivisible batch": (["--data.global_batch_size", "63"], "global_batch_size=63 does not divide evenly over 2"),
     "zero stop check": (["--stop_check_every_n_steps", "0"], "stop_check_every_n_steps"),
@@ -64,6 +71,10 @@ CASES = {
     "other shapes": (["--ckpt_path", "CKPTS/shapes.ckpt"], "holds weights of a different model (0 missing, 0 unexp"),
     "code in checkpoint": (["--ckpt_path", "CKPTS/evil.ckpt"], "is not a checkpoint that loads as plain weights"),
 }
+
+# GPUs the case's process sees (tests/fake_cuda.py), whatever this machine has: the GPU checks give the same
+# answer on a machine with 0, 1 or 8 GPUs, and a GPU machine never starts a real run here.
+VISIBLE_GPUS = {"no GPU": 0, "no GPU, devices auto": 0, "1 GPU, 2 asked": 1}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +91,8 @@ def outcomes(tmp_path_factory):
         args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
         marker = base / f"{cwd.name}.spawned"
         env = {"PYTHONPATH": f"{base / 'site'}:{PROJECT / 'tests'}", "SPAWN_MARKER": str(marker)}
+        if name in VISIBLE_GPUS:
+            env["FAKE_CUDA_DEVICES"] = str(VISIBLE_GPUS[name])
         result = run_main(
             "fit", *TOY, "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
         )

@@ -174,16 +174,29 @@ def test_numbers_reach_the_logger(sweep):
     assert {"doctor/samples_per_s", "doctor/comm_pct", "doctor/rank1/peak_mem_mb"} <= set(tags)
 
 
-def test_preflight_reports_ranks_backend_and_workers():
-    """`scaling.py --preflight --devices 2` on CPU: gloo, two ranks that all-reduce, the configured workers."""
-    cmd = [sys.executable, str(PROJECT / "scaling.py"), "--preflight", "--devices", "2"]
-    cmd += ["--", *TOY, "--data.num_workers", "3"]
-    env = {**os.environ, **CASES}
-    result = subprocess.run(cmd, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300)
+def preflight(env: dict, *fit_args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(PROJECT / "scaling.py"), "--preflight", "--devices", "2", "--", *TOY, *fit_args]
+    return subprocess.run(cmd, cwd=PROJECT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+def test_preflight_reports_ranks_backend_and_workers(fake_gpus):
+    """`scaling.py --preflight --devices 2 -- --trainer.accelerator cpu` where 2 GPUs are visible (faked):
+    gloo, two CPU ranks that all-reduce, the configured workers."""
+    result = preflight(fake_gpus(2), "--trainer.accelerator", "cpu", "--data.num_workers", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "backend: gloo" in out and "dataloader workers per rank (--data.num_workers): 3" in out
+    assert "visible devices (torch.cuda.device_count()): 2" in out and "backend: gloo" in out
+    assert "dataloader workers per rank (--data.num_workers): 3" in out
     assert "   0 | cpu |" in out and "   1 | cpu |" in out and "ok: 2 processes joined one gloo group" in out
+
+
+def test_preflight_on_gpus_names_nccl_and_refuses_more_ranks_than_gpus(fake_gpus):
+    """With 1 GPU visible (faked) and the accelerator left to `auto`, 2 ranks: backend nccl, refused before any
+    rank starts."""
+    result = preflight(fake_gpus(1))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "backend: nccl" in result.stdout and "rank |" not in result.stdout
+    assert result.stderr.strip().splitlines()[-1] == "2 devices requested but only 1 visible"
 
 
 def test_overhead_is_small():

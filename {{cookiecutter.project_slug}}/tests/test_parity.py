@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from runs import Run, Waves, fit, main_cmd, run_all
+from runs import Run, Waves, as_cuda, fit, main_cmd, run_all
 
 from {{ cookiecutter.package_name }}.ddp.parity import diff, max_abs, read_scalars, report, scalar_diffs, weight_diffs
 from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
@@ -23,13 +23,23 @@ from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
 # 1.2e-13, float32 at most 8.4e-5 (seed 7; 5 of 8 seeds exceed 1e-5: AdamW divides by sqrt(v), so
 # parameters with tiny gradients turn rounding into visible update differences). float64 is the strict
 # check; the float32 bound is 2.4x the worst seed. A wider model (3 x 512) reached 0.2 in float32 at
-# seed 0 while float64 agreed to 2e-13: for big models trust float64. GPU bounds are not measured here.
+# seed 0 while float64 agreed to 2e-13: for big models trust float64.
+# GPU bounds are CPU's, not measured on GPUs (.ci/gpu_check.py in the template runs them).
 BOUNDS = {
     ("cpu", "64-true"): 1e-12,
     ("cpu", "32-true"): 2e-4,
+    ("gpu", "64-true"): 1e-12,
     ("gpu", "32-true"): 1e-4,
-    ("gpu", "bf16-mixed"): 5e-2,
 }
+# bf16-mixed: no fixed bound and no weights. Measured, 1 vs 2 CPU processes, 32 steps, seeds 0-4, the digits
+# MLP at 128x2 and 512x3: weights differ by 0.09-0.17 (128x2) and 0.51-0.57 (512x3) max_rel, as much as bf16
+# itself moves them from float32 (0.23-0.50, 0.60-0.70; each rank's partial gradient sum rounds to bf16 on its
+# own, and AdamW enlarges that). The logged values (loss curve, val loss, val acc) differed by up to 3.3e-3 at
+# 128x2 (one val sample of 359) but 3.1e-2 at 512x3: bf16's own effect (1 process, bf16 vs float32) grows with
+# the model, and the 1-vs-2 difference with it. So the criterion is relative: 1 vs 2 devices in bf16 differ in
+# every logged value at every step by at most BF16_FACTOR times bf16 vs float32 on 1 device; the measured
+# ratio was 0.2-1.04 (10 runs), so 3 leaves ~3x margin.
+BF16_FACTOR = 3.0
 # torchmetrics keeps its sums in float32 even in a float64 run; adding 359 losses in two parts and
 # adding them at once may round apart (measured: equal in float64 runs, 8e-8 in float32 runs).
 METRIC_STATE_ROUNDING = 1e-6
@@ -59,6 +69,20 @@ def test_both_ranks_end_bit_identical(cpu_runs):
     probe = cpu_runs["2dev-fp32"].root / "probe"
     rank0, rank1 = (torch.load(probe / f"fit-rank{r}.pt") for r in (0, 1))
     assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+
+
+def assert_bf16_close(one: Run, two: Run, one_float32: Run) -> None:
+    """1 vs 2 devices in bf16-mixed: every logged value within BF16_FACTOR x what bf16 changes on 1 device."""
+    rounding = scalar_diffs(read_scalars(one_float32.version), read_scalars(one.version))
+    assert_scalars_close(one, two, BF16_FACTOR * max(rounding[0].max_rel, FLOAT32_STORAGE))
+
+
+def test_bf16_logged_values_differ_less_than_bf16_from_float32(cpu_runs, steps):
+    """bf16-mixed: every logged tag at every step (loss curve, validation) of 1 and 2 devices differs by at most
+    BF16_FACTOR times the difference between bf16 and float32 on 1 device."""
+    one, two = cpu_runs["1dev-bf16"], cpu_runs["2dev-bf16"]
+    assert one.global_step() == two.global_step() == 2 * steps["steps_per_epoch"]
+    assert_bf16_close(one, two, cpu_runs["1dev-fp32"])
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
@@ -198,6 +222,17 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
 
 
+def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
+    """A checkpoint whose tensors are tagged cuda:0 (as saved on a GPU) resumes on CPU (resume-2to1 started from
+    one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
+    resumed = cpu_runs["resume-2to1"]
+    locations = []
+    torch.load(as_cuda(cpu_runs["2dev-fp64"], steps), map_location=lambda s, loc: locations.append(loc) or s)
+    assert locations and set(locations) == {"cuda:0"}
+    assert resumed.global_step() == 2 * steps["steps_per_epoch"]
+    assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
+
+
 @pytest.mark.parametrize("run", ["1dev-acc4-fp64", "2dev-acc2-fp64"])
 def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
     """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights."""
@@ -248,7 +283,7 @@ def test_compare_command_passes_and_fails_on_its_bound(cpu_runs, capsys):
 
 GPUS = torch.cuda.device_count()
 needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"CUDA/NCCL parity needs 2 visible GPUs, found {GPUS}")
-GPU_PRECISIONS = ["32-true", "bf16-mixed"]
+GPU_PRECISIONS = ["64-true", "32-true", "bf16-mixed"]  # float64 first: the strict check
 
 
 @pytest.fixture(scope="session")
@@ -263,16 +298,21 @@ def gpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
     return runs
 
 
+@pytest.mark.gpu
 @needs_2_gpus
-@pytest.mark.parametrize("precision", GPU_PRECISIONS)
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])  # bf16: logged values only (BF16_FACTOR)
 def test_gpu_weights_match_1_vs_2_gpus(gpu_runs, precision):
     """On CUDA/NCCL, 1 and 2 GPUs end within the precision's bound on every parameter."""
     assert_weights_close(gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"], BOUNDS["gpu", precision])
 
 
+@pytest.mark.gpu
 @needs_2_gpus
 @pytest.mark.parametrize("precision", GPU_PRECISIONS)
 def test_gpu_logged_scalars_match_1_vs_2_gpus(gpu_runs, precision):
     """On CUDA/NCCL, every logged tag at every step matches within the precision's bound."""
     one, two = gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"]
-    assert_scalars_close(one, two, max(BOUNDS["gpu", precision], FLOAT32_STORAGE))
+    if precision == "bf16-mixed":
+        assert_bf16_close(one, two, gpu_runs["1gpu-32-true"])
+    else:
+        assert_scalars_close(one, two, max(BOUNDS["gpu", precision], FLOAT32_STORAGE))

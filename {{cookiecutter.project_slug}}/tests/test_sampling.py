@@ -1,8 +1,11 @@
 """The training sampler gives N devices the same global batches as 1 device."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
+from toy import ToyData
 
 from {{ cookiecutter.package_name }}.ddp.sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
@@ -109,3 +112,12 @@ def test_block_sampler_deals_the_1_device_batches_whole(n, batch, world):
         indices = list(BlockSampler(list(range(n)), batch, world, rank))
         dealt += [indices[i : i + batch] for i in range(0, len(indices), batch)]
     assert sorted(dealt) == one
+
+
+@pytest.mark.parametrize(("device", "pinned"), [("cpu", False), ("cuda:1", True)])
+def test_loaders_pin_memory_only_when_the_run_is_on_a_gpu(device, pinned):
+    """pin_memory follows the trainer's device, not torch.cuda.is_available(): CPU ranks on a GPU host pin
+    nothing (pinning opens a CUDA context on GPU 0 in every CPU rank)."""
+    data = ToyData()
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+    assert data.loader_kwargs()["pin_memory"] is pinned

@@ -133,6 +133,7 @@ def test_compute_dtype_follows_precision_and_the_tf32_setting(monkeypatch):
     assert device_peak_flops(torch.device("cpu"), "bf16-mixed") is None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="MFU on a real GPU needs CUDA")
 def test_monitor_reports_mfu_on_this_gpu(tmp_path):
     """On a GPU the table knows, MFU is logged and lies in (0, 1)."""

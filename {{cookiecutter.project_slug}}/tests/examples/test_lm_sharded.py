@@ -16,6 +16,7 @@ def test_fsdp_preset_wraps_and_checkpoints_the_transformer_blocks():
     assert strategy._state_dict_type == "sharded"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP needs GPUs; this test needs 2")
 def test_fsdp_on_two_gpus_resumes_on_one(tmp_path):
     """GPU only: the LM under configs/fsdp.yaml on 2 GPUs, its sharded checkpoint resumed on 1 GPU."""

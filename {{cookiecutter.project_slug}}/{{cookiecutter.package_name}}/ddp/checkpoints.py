@@ -87,12 +87,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_save(checkpoint, Path(path))
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict[str, Any]:
         # Tensors and plain containers only unless the caller asks otherwise: a checkpoint file
         # from elsewhere cannot run code on load (Lightning's own default is weights_only=False).
         if weights_only is None:
             weights_only = True
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        # Into host memory, as Lightning's own loader does: a file written on GPUs then resumes where no GPU
+        # is visible (without a map, torch restores each tensor to its saved cuda:N), and on N GPUs no rank
+        # loads the whole file onto cuda:0. Lightning copies the weights into the model on the rank's own
+        # device and moves the optimizer state there.
+        return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
         fs = get_filesystem(path)
