@@ -159,9 +159,11 @@ def test_sweep_gives_every_run_the_same_threads_per_process(sweep):
 
 
 def test_healthy_run_has_no_finding(sweep):
-    """1,024 samples per device through a 1024-wide MLP: compute dominates and nothing is flagged."""
+    """1,024 samples per device through a 1024-wide MLP: compute dominates and nothing is flagged but, on a
+    loaded host, the time the ranks waited for a CPU (which is then above its threshold, and says so)."""
     summary = json.loads(next((sweep / "devices_2").rglob("doctor.json")).read_text())
-    assert summary["findings"] == [] and summary["verdict"] == "healthy"
+    causes = [f["cause"] for f in summary["findings"]]
+    assert causes in ([], ["host-contention"]) and ("host-contention" in causes) == (summary["contention_pct"] >= 20)
     assert summary["step_ms"] > 10 and summary["comm_pct"] < 30 and summary["data_wait_pct"] < 20
 
 
