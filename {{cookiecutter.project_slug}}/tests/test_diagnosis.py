@@ -75,7 +75,7 @@ def test_data_wait_spent_waiting_for_a_cpu_is_host_contention():
     host-contention (the case where more loader workers made things worse)."""
     row = rank(data_ms=12.5, busy_ms=30, wait_ms=11, data_wait_ms=10)
     s = summarize([row] * 2, {"num_workers": 0, "pin_memory": False})
-    assert s["data_wait_pct"] == pytest.approx(25) and s["loader_wait_pct"] == pytest.approx(5)
+    assert s["data_wait_pct"] == pytest.approx(25) and s["loader_wait_pct"] == pytest.approx(100 * 2.5 / 39)
     assert [f["cause"] for f in diagnose(s, Thresholds())] == ["host-contention"]
 
 
@@ -195,3 +195,12 @@ def test_prediction_follows_the_fitted_compute_and_the_ring():
     p = predict(one, two, 4)
     assert p["step_ms"] == pytest.approx(8 + 16 + 4 + 6 + 12)
     assert p["speedup"] == pytest.approx(76 / p["step_ms"])
+
+
+def test_loader_share_is_of_the_step_without_the_wait_for_a_cpu():
+    """A 16 ms loader in a step stretched from 40 to 100 ms by waiting for a CPU is still data-bound (40%),
+    and the wait is listed after it."""
+    row = rank(step_ms=100, data_ms=16, busy_ms=80, comm_ms=2, wait_ms=60, busy_wait_ms=60)
+    s = summarize([row] * 2, {"num_workers": 0, "pin_memory": False})
+    assert s["loader_wait_pct"] == pytest.approx(40)
+    assert [f["cause"] for f in diagnose(s, Thresholds())] == ["data-bound", "host-contention"]

@@ -35,7 +35,8 @@ class Thresholds:
             slowest: the difference of their own work (data wait + compute), which the fast rank spends
             waiting in the all-reduce. (A ratio of work alone misfires when work is a small part of the step.)
         data_wait_share: Flag data-bound when the ranks wait this share of each step for the next batch
-            (not counting the part of that wait in which the loading thread itself waited for a CPU).
+            (not counting the part of that wait in which the loading thread itself waited for a CPU, and
+            of the step without the wait for a CPU).
         comm_share: Flag communication-bound when the all-reduce takes this share of the step on the rank
             that waits least for it (the last to arrive sees the transfer, not the others' lateness).
         memory_imbalance: Flag when the largest per-rank peak memory is this many times the smallest.
@@ -92,6 +93,7 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
             }
         )
     step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
+    own = sum(r["step_ms"] - r["contention_ms"] for r in ranks)  # summed over ranks, without the wait for a CPU
     total = sum(r["samples_per_s"] for r in ranks)
     work = [r["work_ms"] for r in ranks]
     mem = [r["peak_mem_mb"] for r in ranks]
@@ -104,10 +106,9 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         "steps_per_s": 1000 / step_ms if step_ms else 0.0,
         "step_ms": step_ms,
         "data_wait_pct": 100 * sum(r["data_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        # The data wait without its run-queue part: what the loader itself costs.
-        "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / len(ranks) / step_ms
-        if step_ms
-        else 0.0,
+        # The data wait without its run-queue part (what the loader itself costs), as a share of the step
+        # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
+        "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / own if own else 0.0,
         "contention_pct": 100 * sum(r["contention_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
         "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
         "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
@@ -136,7 +137,8 @@ def oversubscription(context: dict, ranks: list[dict]) -> str:
 
 
 def diagnose(s: dict, t: Thresholds) -> list[dict]:
-    """Findings with their fix, most fundamental first; an empty list means healthy."""
+    """Findings with their fix, most fundamental first; an empty list means healthy. Host contention comes
+    last: the parts before it are judged without the wait for a CPU, it is what is left."""
     ranks = s["ranks"]
     if not s["step_ms"]:
         return [{"cause": "unmeasured", "fix": "no step after the warm-up steps was timed → train for more steps"}]
@@ -153,8 +155,6 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
                 "kept on one rank only (rank-0-only state, torch.device('cuda') instead of the rank's own device)",
             }
         )
-    if s.get("contention_pct", 0.0) >= 100 * t.contention_share:
-        found.append({"cause": "host-contention", "fix": contention_fix(s)})
     if s["step_ms"] < t.min_step_ms:
         found.append(
             {
@@ -196,6 +196,8 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
                 f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → " + COMM_FIX,
             }
         )
+    if s.get("contention_pct", 0.0) >= 100 * t.contention_share:
+        found.append({"cause": "host-contention", "fix": contention_fix(s)})
     return found
 
 
