@@ -53,8 +53,9 @@ CAUSES = {
     "small per-device batch": ("clean-1", "clean-4", "compute"),
 }
 # How far the predicted speed-up may be from the measured one (relative). Measured (predicted / measured
-# without the wait for a CPU - 1) over 5 runs of the clean cases on the shared 2-core host at load 14-20:
-# 4 devices +8 to +21%, 8 devices +35 to +82%, always too optimistic: 8 ranks on 2 loaded cores all do
+# without the wait for a CPU - 1) over 4 runs of the clean cases (3 of these, 1 with 20 ms fixed + 2 ms per
+# sample) on the shared 2-core host at load 14-20: 4 devices -1 to +21%, 8 devices +18 to +82%, too
+# optimistic at 8 in every run: 8 ranks on 2 loaded cores all do
 # their step's CPU work (optimizer, DDP's bucket copies, the all-reduce's hops) at the same moment, and the
 # hops of the ring wait for a CPU in gloo's own threads, which the ring model (latency measured at 2 ranks)
 # cannot know and the doctor cannot see. The bounds leave room above the worst run seen.

@@ -26,7 +26,8 @@ FIELDS = (
 
 @dataclass
 class Thresholds:
-    """When the doctor calls something a problem. Shares are of the mean step time.
+    """When the doctor calls something a problem. Shares are of the mean step time without the time the
+    training threads waited for a CPU (which contention_share judges on its own).
 
     Args:
         min_step_ms: Steps shorter than this do too little work: fixed per-step costs (Python, kernel
@@ -62,6 +63,11 @@ def covered_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def own_step(rank: dict) -> float:
+    """A rank's step without the time its training thread waited for a CPU (ms)."""
+    return rank["step_ms"] - rank["contention_ms"]
+
+
 def summarize(rows: list[list[float]], context: dict) -> dict:
     """Turn the gathered per-rank rows (FIELDS) into the report's numbers, per rank and overall."""
     ranks = []
@@ -93,7 +99,7 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
             }
         )
     step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
-    own = sum(r["step_ms"] - r["contention_ms"] for r in ranks)  # summed over ranks, without the wait for a CPU
+    own = sum(own_step(r) for r in ranks)  # summed over ranks
     total = sum(r["samples_per_s"] for r in ranks)
     work = [r["work_ms"] for r in ranks]
     mem = [r["peak_mem_mb"] for r in ranks]
@@ -110,9 +116,12 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
         "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / own if own else 0.0,
         "contention_pct": 100 * sum(r["contention_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
+        # Shares judged on the step without the wait for a CPU: a loaded host stretches the step, not the
+        # all-reduce's or the straggler's share of the work.
+        "comm_pct": 100
+        * min(r["comm_ms"] / (r["step_ms"] - r["contention_ms"]) if r["step_ms"] else 0.0 for r in ranks),
         "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
-        "straggler_wait_pct": 100 * (max(work) - min(work)) / step_ms if step_ms else 0.0,
+        "straggler_wait_pct": 100 * (max(work) - min(work)) * len(ranks) / own if own else 0.0,
         "memory_imbalance": max(mem) / min(mem) if min(mem) > 0 else 1.0,
         "oversubscribed": oversubscription({**context, "world_size": len(ranks)}, ranks),
         "ranks": ranks,
