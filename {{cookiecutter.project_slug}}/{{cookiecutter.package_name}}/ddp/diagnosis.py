@@ -26,8 +26,8 @@ FIELDS = (
 
 @dataclass
 class Thresholds:
-    """When the doctor calls something a problem. Shares are of the mean step time without the time the
-    training threads waited for a CPU (which contention_share judges on its own).
+    """When the doctor calls something a problem. Shares are of the mean step time; those of the loader and
+    the straggler of the step without the time the training threads waited for a CPU (judged on its own).
 
     Args:
         min_step_ms: Steps shorter than this do too little work: fixed per-step costs (Python, kernel
@@ -116,10 +116,11 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
         "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / own if own else 0.0,
         "contention_pct": 100 * sum(r["contention_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        # Shares judged on the step without the wait for a CPU: a loaded host stretches the step, not the
-        # all-reduce's or the straggler's share of the work.
-        "comm_pct": 100
-        * min(r["comm_ms"] / (r["step_ms"] - r["contention_ms"]) if r["step_ms"] else 0.0 for r in ranks),
+        # Of the whole step: the all-reduce's own threads wait for a CPU too, unseen, and the training thread's
+        # wait overlaps the all-reduce, so the step without that wait can be shorter than the all-reduce.
+        "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
+        # The straggler's lead as a share of the step without the wait for a CPU: a loaded host stretches
+        # the step, not the lead.
         "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
         "straggler_wait_pct": 100 * (max(work) - min(work)) * len(ranks) / own if own else 0.0,
         "memory_imbalance": max(mem) / min(mem) if min(mem) > 0 else 1.0,
