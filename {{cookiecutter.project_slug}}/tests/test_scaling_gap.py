@@ -31,12 +31,12 @@ CASES = {  # name: (devices, extra args, pinned to one core)
     "clean-2": (2, SLEEPY, False),
     "clean-4": (4, SLEEPY, False),
     "clean-8": (8, SLEEPY, False),
-    # 60 ms of loading per batch, whatever its size: 30 ms per step above the ideal on 2 devices.
-    "data-1": (1, (*SLEEPY, "--data.batch_delay_ms", "60"), False),
-    "data-2": (2, (*SLEEPY, "--data.batch_delay_ms", "60"), False),
-    # 16 MB of gradients all-reduced over gloo every step.
-    "grad-1": (1, (*SLEEPY, "--model.grad_mb", "16"), False),
-    "grad-2": (2, (*SLEEPY, "--model.grad_mb", "16"), False),
+    # 120 ms of loading per batch, whatever its size: 60 ms per step above the ideal on 2 devices.
+    "data-1": (1, (*SLEEPY, "--data.batch_delay_ms", "120"), False),
+    "data-2": (2, (*SLEEPY, "--data.batch_delay_ms", "120"), False),
+    # 32 MB of gradients all-reduced over gloo every step.
+    "grad-1": (1, (*SLEEPY, "--model.grad_mb", "32"), False),
+    "grad-2": (2, (*SLEEPY, "--model.grad_mb", "32"), False),
     # Rank 1 computes 60 ms longer; compared with clean-1 (there is no rank 1 there).
     "straggler-2": (2, (*SLEEPY, "--model.straggler_ms", "60"), False),
     # Real CPU work (spinning), 2 ranks on 1 core.
