@@ -70,11 +70,11 @@ OWN_PROJECT = "tests/test_bake.py::test_own_model_and_data_keep_the_guarantees"
 NO_GPU = "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu."
 DOCTOR_LINES = [
     "Scaling doctor: 2 x cpu, ",
-    "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | peak MB",
+    "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | cpu wait ms | gc ms | peak MB",
     "data wait ",
     "verdict: ",
 ]
-SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | data wait % | comm % | peak MB per rank |"
+SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
 
 GENERATED = {
     "pip install torch==2.13.0": Run(),
@@ -132,6 +132,9 @@ GENERATED = {
     ),
     "python scaling.py --devices 1 2 -- --trainer.accelerator cpu": Run(
         expect=[SWEEP_HEADER, "written: scaling/scaling.md, scaling.json, scaling.png"]
+    ),
+    "python scaling.py --explain scaling/devices_1 scaling/devices_2": Run(
+        expect=["2 device(s) against 1: ", "  unexplained ", "verdict: "]
     ),
     "python scaling.py --preflight --devices 4 [-- <fit args>]": Elsewhere(
         "the next command, its instance with the output shown"

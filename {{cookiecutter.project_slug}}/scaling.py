@@ -1,13 +1,35 @@
 """Scaling sweep and preflight: how fast this project trains on 1, 2, ... devices, and why.
 
     python scaling.py --devices 1 2 4 -- --trainer.max_steps 300     # one short fit per device count
+    python scaling.py --explain RUN_1 RUN_N                          # why RUN_N is not N times faster
     python scaling.py --preflight --devices 4                        # what each process will see
 
 The sweep runs `python main.py fit --trainer.devices N <your fit args>` once per device count, as real
 processes, with the same *global* batch (config.yaml's global_batch_size is split over the devices), so
 rows compare like with like. The scaling doctor of each run writes doctor.json; this script collects them
-into <out>/scaling.md, <out>/scaling.json and <out>/scaling.png (speed-up against the ideal line; the plot
-needs matplotlib: `pip install -e ".[scaling]"`). Each run's full output is in <out>/devices_N.log.
+into <out>/scaling.md, <out>/scaling.json and <out>/scaling.png (speed-up against the ideal line and
+the gap by cause; the plot needs matplotlib: `pip install -e ".[scaling]"`). Each run's full output is in
+<out>/devices_N.log.
+
+How to read the decomposition. The ideal step on N devices is the fewest-device run's step x its devices
+/ N. The gap (measured step - ideal, ms per step) is split into parts that add up to it, each the part's
+time at N minus its ideal share of the base run's:
+  compute     compute that did not shrink with the per-device batch (fixed per-step costs)
+  comm        the gradient all-reduce as the last rank to arrive sees it (transfer, not waiting)
+  data        waiting for the loader, without the loader thread's own wait for a CPU
+  straggler   the last rank's extra work over a typical rank's: what the others wait for
+  other       framework time (the loop, loggers, hooks, per-step collectives)
+  cpu wait    time the training threads were ready but had no CPU: other processes, or ranks x threads
+              beyond the cores ("oversubscribed" says which); it inflates no other part
+  unexplained the measured gap minus the parts (timed steps against the throughput)
+A point whose efficiency is below 0.8 is never "healthy": its verdict is the largest part, with a fix
+that keeps the global batch.
+
+What N would give (with runs on 1 and 2 devices): compute and data wait are fitted as fixed + per-sample
+through the two runs, the framework time is the 2-device run's, the all-reduce follows a ring (the
+latency the doctor measured at 2 ranks x (N-1), the rest x 2(N-1)/N), the straggler wait grows like the
+expected maximum of N ranks' jitter. It assumes one device (and enough cores) per rank, no wait for a CPU
+and the same interconnect at N as at 2 (not true across nodes: run the sweep there).
 """
 
 import argparse
@@ -19,6 +41,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from {{ cookiecutter.package_name }}.ddp.gap import PARTS, explain, format_explain, measured_without_contention, predict
 
 MAIN = Path(__file__).resolve().with_name("main.py")
 
@@ -66,44 +90,100 @@ def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeo
 
 
 def table_rows(summaries: list[dict]) -> list[dict]:
-    """One row per run; speed-up and efficiency relative to the run with the fewest devices."""
+    """One row per run; speed-up, efficiency and the gap's parts relative to the run with the fewest devices."""
     base = min(summaries, key=lambda s: s["world_size"])
     rows = []
     for s in sorted(summaries, key=lambda s: s["world_size"]):
-        speedup = s["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] else 0.0
-        ideal = s["world_size"] / base["world_size"]
+        e = explain(base, s)
         rows.append(
             {
                 "devices": s["world_size"],
                 "samples_per_s": round(s["samples_per_s"], 1),
-                "speedup": round(speedup, 3),
-                "efficiency": round(speedup / ideal, 3),
-                "step_ms": round(s["step_ms"], 2),
-                "data_wait_pct": round(s["data_wait_pct"], 1),
-                "comm_pct": round(s["comm_pct"], 1),
+                "speedup": round(e["speedup"], 3),
+                "efficiency": round(e["efficiency"], 3),
+                "step_ms": round(e["step_ms"], 2),
+                "ideal_step_ms": round(e["ideal_step_ms"], 2),
+                "gap_ms": round(e["gap_ms"], 2),
+                "parts_ms": {k: round(v, 2) for k, v in e["parts_ms"].items()},
+                "unexplained_ms": round(e["unexplained_ms"], 2),
+                "oversubscribed": e["oversubscribed"],
                 "peak_mem_mb": [round(r["peak_mem_mb"]) for r in s["ranks"]],
-                "verdict": s["verdict"],
+                "verdict": e["verdict"] if s is not base else s["verdict"],
+                "fix": e["fix"],
             }
         )
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def predictions(summaries: list[dict], devices: list[int]) -> list[dict]:
+    """Predicted step and speed-up at each of `devices` from the 1- and 2-device runs, next to the
+    measurement where there is one; [] without both runs."""
+    by_n = {s["world_size"]: s for s in summaries}
+    if 1 not in by_n or 2 not in by_n:
+        return []
+    out = []
+    waits = [by_n[n].get("contention_pct", 0.0) for n in (1, 2)]
+    # The all-reduce's own threads wait for a CPU too, unmeasured: then the 2-device comm is inflated.
+    caveat = (
+        f"note: the 1- and 2-device runs waited {waits[0]:.0f}% and {waits[1]:.0f}% of their steps for a CPU: "
+        "the prediction assumes a CPU for every rank, so it is unreliable here"
+        if max(waits) >= 20
+        else ""
+    )
+    for n in devices:
+        p = predict(by_n[1], by_n[2], n)
+        row = {"devices": n, "predicted_step_ms": round(p["step_ms"], 2), "predicted_speedup": round(p["speedup"], 3)}
+        row["caveat"] = caveat
+        if n in by_n:
+            e = explain(by_n[1], by_n[n])
+            row["measured_speedup"] = round(e["speedup"], 3)
+            # The prediction assumes a CPU for every rank: compare it with the measurement without that wait too.
+            row["measured_speedup_without_cpu_wait"] = round(measured_without_contention(by_n[1], by_n[n]), 3)
+            row["error_pct"] = round(100 * (p["speedup"] / row["measured_speedup_without_cpu_wait"] - 1), 1)
+        out.append(row)
+    return out
+
+
+# Column heads of the parts, in PARTS' order.
+PART_HEADS = {"compute": "compute", "comm": "comm", "data": "data", "straggler": "straggler", "other": "other"}
+PART_HEADS["contention"] = "cpu wait"
+
+
+def markdown(rows: list[dict], predicted: list[dict] | None = None) -> str:
+    parts = " | ".join(PART_HEADS[k] for k in PARTS)
     lines = [
-        "| devices | samples/s | speed-up | efficiency | step ms | data wait % | comm % | peak MB per rank | verdict |",
-        "|" + "---|" * 9,
+        f"| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | {parts} | unexplained "
+        "| peak MB per rank | verdict |",
+        "|" + "---|" * (10 + len(PARTS)),
     ]
     for r in rows:
         mem = " / ".join(str(m) for m in r["peak_mem_mb"])
+        cells = [r["gap_ms"], *(r["parts_ms"][k] for k in PARTS), r["unexplained_ms"]]
+        gap = " | ".join("" if r is rows[0] else f"{ms:.1f}" for ms in cells)  # the base has no gap
         lines.append(
             f"| {r['devices']} | {r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
-            f"{r['step_ms']:.1f} | {r['data_wait_pct']:.0f} | {r['comm_pct']:.0f} | {mem} | {r['verdict']} |"
+            f"{r['step_ms']:.1f} | {r['ideal_step_ms']:.1f} | {gap} | {mem} | {r['verdict']} |"
         )
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if predicted and predicted[0].get("caveat"):
+        text += f"\n{predicted[0]['caveat']}\n"
+    if predicted:
+        text += (
+            "\n| devices | predicted step ms | predicted speed-up | measured | measured without cpu wait | error |\n"
+        )
+        text += "|---|---|---|---|---|---|\n"
+        for p in predicted:
+            keys = ("measured_speedup", "measured_speedup_without_cpu_wait")
+            measured = " | ".join(f"{p[k]:.2f}" if k in p else "" for k in keys)
+            error = f"{p['error_pct']:+.0f}%" if "error_pct" in p else ""
+            predicted_cells = f"{p['predicted_step_ms']:.1f} | {p['predicted_speedup']:.2f}"
+            text += f"| {p['devices']} | {predicted_cells} | {measured} | {error} |\n"
+    return text
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    """Measured speed-up against the ideal line; False (and a note) without matplotlib."""
+    """Left: measured against ideal speed-up. Right: each device count's step, the ideal part and the gap
+    stacked by cause. False (and a note) without matplotlib."""
     try:
         import matplotlib
 
@@ -113,14 +193,35 @@ def plot(rows: list[dict], path: Path) -> bool:
         print('matplotlib is not installed: no plot (pip install -e ".[scaling]")')
         return False
     devices = [r["devices"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot(devices, [d / devices[0] for d in devices], "--", color="gray", label="ideal")
-    ax.plot(devices, [r["speedup"] for r in rows], "o-", label="measured")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1, 1.3]})
+    left.plot(devices, [d / devices[0] for d in devices], "--", color="gray", label="ideal")
+    left.plot(devices, [r["speedup"] for r in rows], "o-", label="measured")
     for r in rows:
-        ax.annotate(r["verdict"], (r["devices"], r["speedup"]), textcoords="offset points", xytext=(-6, 6), ha="right")
-    ax.margins(x=0.2)  # room for the verdict labels
-    ax.set(xlabel="devices", ylabel=f"speed-up over {devices[0]} device(s)", xticks=devices, title="Scaling")
-    ax.legend()
+        left.annotate(f"{r['efficiency']:.2f}", (r["devices"], r["speedup"]), textcoords="offset points", xytext=(0, 8))
+    left.set(xlabel="devices", ylabel=f"speed-up over {devices[0]} device(s)", xticks=devices)
+    left.set_title("speed-up (labels: efficiency)")
+    left.margins(x=0.1)
+    left.set_ylim(bottom=0)
+    left.legend(loc="upper left")
+    x = range(len(rows))
+    right.bar(x, [r["ideal_step_ms"] for r in rows], color="lightgray", label="ideal step")
+    bottom = [r["ideal_step_ms"] for r in rows]
+    colors = plt.get_cmap("tab10").colors
+    labels = {**PART_HEADS, "unexplained": "unexplained"}
+    for i, key in enumerate([*PARTS, "unexplained"]):
+        ms = [max(0.0, r["unexplained_ms"] if key == "unexplained" else r["parts_ms"][key]) for r in rows]
+        ms = [0.0 if r is rows[0] else m for r, m in zip(rows, ms, strict=True)]
+        if any(ms):
+            right.bar(x, ms, bottom=bottom, color=colors[i], label=labels[key])
+            bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
+    tops = [max(r["step_ms"], b) for r, b in zip(rows, bottom, strict=True)]
+    for i, r in enumerate(rows):
+        label = "base" if i == 0 else r["verdict"]
+        right.annotate(label, (i, tops[i]), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    right.set_ylim(0, 1.15 * max(tops))  # room for the verdicts
+    right.set(xticks=list(x), xticklabels=[str(d) for d in devices], xlabel="devices", ylabel="ms per step")
+    right.set_title("step = ideal + the gap by cause")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -135,15 +236,19 @@ def sweep(devices: list[int], out: Path, fit_args: list[str], max_steps: int, ti
         print(f"fit on {n} device(s) ...", flush=True)
         summaries.append(run_fit(n, out / f"devices_{n}", fit_args, max_steps, timeout, threads))
     rows = table_rows(summaries)
-    table = markdown(rows)
+    predicted = predictions(summaries, sorted({n for n in [*devices, 4, 8] if n > 2}))
+    table = markdown(rows, predicted)
     (out / "scaling.md").write_text(table)
-    record = {"fit_args": fit_args, "threads_per_process": threads, "rows": rows}
+    record = {"fit_args": fit_args, "threads_per_process": threads, "rows": rows, "predictions": predicted}
     (out / "scaling.json").write_text(json.dumps(record, indent=2) + "\n")
     plotted = plot(rows, out / "scaling.png")
     print(table)
-    for s in summaries:
+    base = min(summaries, key=lambda s: s["world_size"])
+    for s in sorted(summaries, key=lambda s: s["world_size"]):
+        if s is not base:
+            print(format_explain(explain(base, s)))
         for f in s["findings"]:
-            print(f"{s['world_size']} device(s): {f['cause']}: {f['fix']}")
+            print(f"{s['world_size']} device(s), the doctor on that run alone: {f['cause']}: {f['fix']}")
     print(f"written: {out / 'scaling.md'}, scaling.json" + (", scaling.png" if plotted else ""))
     return rows
 
@@ -225,6 +330,31 @@ def preflight(devices: int, fit_args: list[str]) -> None:
     print(f"ok: {devices} processes joined one {'nccl' if cuda else 'gloo'} group and all-reduced correctly")
 
 
+def load_summary(path: Path) -> dict:
+    """The doctor's summary of a run: doctor.json itself, or the newest one under a run directory."""
+    found = [path] if path.is_file() else sorted(path.rglob("doctor.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no doctor.json in {path} (the doctor writes it when the run has a logger)")
+    return json.loads(found[-1].read_text())
+
+
+def explain_runs(paths: list[Path]) -> None:
+    """Print why the second run is not N times faster than the first; predictions from 1 and 2 devices."""
+    base, run = (load_summary(p) for p in paths)
+    try:
+        print(format_explain(explain(base, run)))
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    predicted = predictions([base, run], [4, 8])
+    if predicted and predicted[0]["caveat"]:
+        print(predicted[0]["caveat"])
+    for p in predicted:
+        print(
+            f"predicted on {p['devices']} devices: {p['predicted_step_ms']:.1f} ms per step, speed-up "
+            f"{p['predicted_speedup']:.2f} (see --help for the model's limits)"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, fit_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -234,8 +364,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=100, help="optimizer steps per fit (default 100)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a fit is killed")
     parser.add_argument("--preflight", action="store_true", help="check devices, backend and ranks; no training")
+    parser.add_argument(
+        "--explain",
+        type=Path,
+        nargs=2,
+        metavar=("RUN_1", "RUN_N"),
+        help="decompose the gap of two finished runs of the same config (run directories or doctor.json files)",
+    )
     args = parser.parse_args(ours)
-    if args.preflight:
+    if args.explain:
+        explain_runs(args.explain)
+    elif args.preflight:
         preflight(max(args.devices), fit_args)
     else:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -6,12 +6,28 @@ Pure functions of numbers; the callback that measures them is `doctor.py`.
 from dataclasses import dataclass
 
 # Per-rank numbers, gathered as one float64 row per rank, in this order.
-FIELDS = ("steps", "wall_s", "samples", "timed_steps", "data_s", "busy_s", "comm_s", "step_s", "peak_mem_bytes")
+FIELDS = (
+    "steps",
+    "wall_s",
+    "samples",
+    "timed_steps",
+    "data_s",
+    "busy_s",
+    "comm_s",
+    "step_s",
+    "contention_s",  # run-queue wait of the training thread in the step, in its data wait, in its busy part
+    "data_contention_s",
+    "busy_contention_s",
+    "gc_s",
+    "device_index",  # -1 on the CPU
+    "peak_mem_bytes",
+)
 
 
 @dataclass
 class Thresholds:
-    """When the doctor calls something a problem. Shares are of the mean step time.
+    """When the doctor calls something a problem. Shares are of the mean step time; those of the loader and
+    the straggler of the step without the time the training threads waited for a CPU (judged on its own).
 
     Args:
         min_step_ms: Steps shorter than this do too little work: fixed per-step costs (Python, kernel
@@ -19,10 +35,14 @@ class Thresholds:
         straggler_wait_share: Flag a straggler when the fastest rank waits this share of each step for the
             slowest: the difference of their own work (data wait + compute), which the fast rank spends
             waiting in the all-reduce. (A ratio of work alone misfires when work is a small part of the step.)
-        data_wait_share: Flag data-bound when the ranks wait this share of each step for the next batch.
+        data_wait_share: Flag data-bound when the ranks wait this share of each step for the next batch
+            (not counting the part of that wait in which the loading thread itself waited for a CPU, and
+            of the step without the wait for a CPU).
         comm_share: Flag communication-bound when the all-reduce takes this share of the step on the rank
             that waits least for it (the last to arrive sees the transfer, not the others' lateness).
         memory_imbalance: Flag when the largest per-rank peak memory is this many times the smallest.
+        contention_share: Flag host contention when the training threads wait this share of each step
+            for a CPU (ready to run, but every core busy: other processes, ranks x threads > cores).
     """
 
     min_step_ms: float = 10.0
@@ -30,6 +50,7 @@ class Thresholds:
     data_wait_share: float = 0.2
     comm_share: float = 0.3
     memory_imbalance: float = 1.3
+    contention_share: float = 0.2
 
 
 def covered_seconds(spans: list[tuple[float, float]]) -> float:
@@ -42,6 +63,11 @@ def covered_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def own_step(rank: dict) -> float:
+    """A rank's step without the time its training thread waited for a CPU (ms)."""
+    return rank["step_ms"] - rank["contention_ms"]
+
+
 def summarize(rows: list[list[float]], context: dict) -> dict:
     """Turn the gathered per-rank rows (FIELDS) into the report's numbers, per rank and overall."""
     ranks = []
@@ -50,6 +76,8 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         timed = max(r["timed_steps"], 1.0)
         step_ms = 1000 * r["step_s"] / timed
         data_ms, busy_ms, comm_ms = (1000 * r[k] / timed for k in ("data_s", "busy_s", "comm_s"))
+        waits = (1000 * r.get(k, 0.0) / timed for k in ("contention_s", "data_contention_s", "busy_contention_s"))
+        contention_ms, data_contention_ms, busy_contention_ms = waits
         ranks.append(
             {
                 "rank": rank,
@@ -61,10 +89,17 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
                 "comm_ms": comm_ms,
                 "other_ms": step_ms - data_ms - busy_ms,
                 "work_ms": data_ms + busy_ms - comm_ms,  # the rank's own work; comm includes waiting for others
+                # Run-queue waits: the training thread was ready but had no CPU (in the step / data / busy part).
+                "contention_ms": contention_ms,
+                "data_contention_ms": data_contention_ms,
+                "busy_contention_ms": busy_contention_ms,
+                "gc_ms": 1000 * r.get("gc_s", 0.0) / timed,
+                "device_index": int(r.get("device_index", -1)),
                 "peak_mem_mb": r["peak_mem_bytes"] / 2**20,
             }
         )
     step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
+    own = sum(own_step(r) for r in ranks)  # summed over ranks
     total = sum(r["samples_per_s"] for r in ranks)
     work = [r["work_ms"] for r in ranks]
     mem = [r["peak_mem_mb"] for r in ranks]
@@ -77,16 +112,43 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         "steps_per_s": 1000 / step_ms if step_ms else 0.0,
         "step_ms": step_ms,
         "data_wait_pct": 100 * sum(r["data_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
+        # The data wait without its run-queue part (what the loader itself costs), as a share of the step
+        # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
+        "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / own if own else 0.0,
+        "contention_pct": 100 * sum(r["contention_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
+        # Of the whole step: the all-reduce's own threads wait for a CPU too, unseen, and the training thread's
+        # wait overlaps the all-reduce, so the step without that wait can be shorter than the all-reduce.
         "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
+        # The straggler's lead as a share of the step without the wait for a CPU: a loaded host stretches
+        # the step, not the lead.
         "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
-        "straggler_wait_pct": 100 * (max(work) - min(work)) / step_ms if step_ms else 0.0,
+        "straggler_wait_pct": 100 * (max(work) - min(work)) * len(ranks) / own if own else 0.0,
         "memory_imbalance": max(mem) / min(mem) if min(mem) > 0 else 1.0,
+        "oversubscribed": oversubscription({**context, "world_size": len(ranks)}, ranks),
         "ranks": ranks,
     }
 
 
+def oversubscription(context: dict, ranks: list[dict]) -> str:
+    """Why the ranks must share hardware, from the run's shape alone ('' when they need not): CPU ranks x
+    threads (+ loader workers) beyond the visible cores, or two ranks on one GPU."""
+    if context.get("device") == "cpu":
+        threads, cores = context.get("cpu_threads_per_rank") or 1, context.get("cpu_cores_visible") or 0
+        workers = context.get("num_workers") or 0
+        busy = len(ranks) * (threads + workers)
+        if cores and busy > cores:
+            extra = f" + {workers} loader worker(s)" if workers else ""
+            return f"{len(ranks)} rank(s) x ({threads} thread(s){extra}) > {cores} CPU core(s)"
+    indices = [r["device_index"] for r in ranks if r.get("device_index", -1) >= 0]
+    shared = sorted({i for i in indices if indices.count(i) > 1})
+    if shared:
+        return f"ranks share GPU(s) {', '.join(map(str, shared))}"
+    return ""
+
+
 def diagnose(s: dict, t: Thresholds) -> list[dict]:
-    """Findings with their fix, most fundamental first; an empty list means healthy."""
+    """Findings with their fix, most fundamental first; an empty list means healthy. Host contention comes
+    last: the parts before it are judged without the wait for a CPU, it is what is left."""
     ranks = s["ranks"]
     if not s["step_ms"]:
         return [{"cause": "unmeasured", "fix": "no step after the warm-up steps was timed → train for more steps"}]
@@ -109,7 +171,8 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
                 "cause": "too-little-work",
                 "fix": f"steps take {s['step_ms']:.1f} ms (< {t.min_step_ms:g} ms): fixed per-step costs (Python, "
                 "kernel launches, all-reduce latency) outweigh the work, so more devices cannot speed this up "
-                f"→ raise the per-device batch (now {batch}) or the model size per step, or use fewer devices",
+                f"→ use fewer devices for this global batch (each gets a larger share than {batch}), or more work "
+                "per sample (a larger model); the global batch stays as it is",
             }
         )
     if s["straggler_wait_pct"] >= 100 * t.straggler_wait_share:
@@ -124,12 +187,12 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
                 "loader, its CPU cores (cores per rank), and other jobs or throttling on its device",
             }
         )
-    if s["data_wait_pct"] >= 100 * t.data_wait_share:
+    if s.get("loader_wait_pct", s["data_wait_pct"]) >= 100 * t.data_wait_share:
         workers, pin = s.get("num_workers"), s.get("pin_memory")
         found.append(
             {
                 "cause": "data-bound",
-                "fix": f"{s['data_wait_pct']:.0f}% of each step waits for data → raise "
+                "fix": f"{s.get('loader_wait_pct', s['data_wait_pct']):.0f}% of each step waits for the loader → raise "
                 f"--data.num_workers (now {workers}), set pin_memory=True (now {pin}) and "
                 "persistent_workers=True, or make loading cheaper (decode/augment once, cache, faster disk)",
             }
@@ -140,14 +203,32 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
             {
                 "cause": "communication-bound",
                 "fix": f"the gradient all-reduce is {s['comm_pct']:.0f}% of the step "
-                f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → more samples per all-reduce: "
-                f"a larger --data.global_batch_size (now {batch} per device and batch; retune the learning rate), "
-                "with --data.micro_batch_size if a device's share outgrows its memory (not "
-                "--trainer.accumulate_grad_batches, which would change the global batch); a larger DDP "
-                "bucket_cap_mb, or a compressing comm hook (fp16/bf16)",
+                f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → " + COMM_FIX,
             }
         )
+    if s.get("contention_pct", 0.0) >= 100 * t.contention_share:
+        found.append({"cause": "host-contention", "fix": contention_fix(s)})
     return found
+
+
+# Fixes that keep the global batch (and so the training math): the project's promise is that adding
+# devices changes the speed only, so no fix asks for more samples per step.
+COMM_FIX = (
+    "fewer devices for the same global batch (each all-reduce then carries more samples; with "
+    "--data.micro_batch_size a device holds its larger share in micro-batches and all-reduces once per step), "
+    "a compressing comm hook (bf16/fp16), DDP bucket_cap_mb to overlap the all-reduce with backward, or a "
+    "faster interconnect"
+)
+
+
+def contention_fix(s: dict) -> str:
+    why = s.get("oversubscribed") or "other processes on the host"
+    return (
+        f"the training threads waited {s.get('contention_pct', 0.0):.0f}% of each step for a CPU ({why}) → "
+        "fewer torch threads per rank (OMP_NUM_THREADS) or loader workers so that ranks x (threads + workers) "
+        "fit the cores, fewer ranks per host, or no other jobs on these cores; every other number here is "
+        "inflated by this wait"
+    )
 
 
 def format_report(s: dict) -> str:
@@ -158,25 +239,29 @@ def format_report(s: dict) -> str:
         f"{s['steps_per_s']:.1f} steps/s",
         f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "
         f"{s.get('cpu_threads_per_rank')} torch threads per rank, {s.get('num_workers')} loader workers per rank",
-        "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | peak MB",
+        "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | cpu wait ms | gc ms | peak MB",
     ]
     if not s.get("comm_measured", True):
         lines.append("comm not timed, counted in compute: --doctor.measure_comm true times it (costs ~1-2 ms/step)")
     for r in s["ranks"]:
         lines.append(
             f"{r['rank']:>4} | {r['samples_per_s']:>9.0f} | {r['step_ms']:>7.2f} | {r['data_ms']:>7.2f} | "
-            f"{r['compute_ms']:>10.2f} | {r['comm_ms']:>7.2f} | {r['other_ms']:>8.2f} | {r['peak_mem_mb']:>7.0f}"
+            f"{r['compute_ms']:>10.2f} | {r['comm_ms']:>7.2f} | {r['other_ms']:>8.2f} | "
+            f"{r['contention_ms']:>11.2f} | {r['gc_ms']:>5.2f} | {r['peak_mem_mb']:>7.0f}"
         )
     lines.append(
-        f"data wait {s['data_wait_pct']:.0f}% | comm {s['comm_pct']:.0f}% | straggler spread "
+        f"data wait {s['data_wait_pct']:.0f}% (loader {s.get('loader_wait_pct', 0):.0f}%) | "
+        f"waiting for a CPU {s.get('contention_pct', 0):.0f}% | comm {s['comm_pct']:.0f}% | straggler spread "
         f"{s['straggler_spread']:.2f}x (fastest rank waits {s['straggler_wait_pct']:.0f}%) | "
         f"memory imbalance {s['memory_imbalance']:.2f}x"
     )
+    if s.get("oversubscribed"):
+        lines.append(f"note: oversubscribed: {s['oversubscribed']}: the ranks share hardware")
     load, cores = s.get("host_load_1min"), s.get("cpu_cores_visible")
     if load and cores and load > cores:
         lines.append(
-            f"note: host load {load:.1f} > {cores} cores: other processes compete with the ranks for the CPU, "
-            "so every time above is inflated (no verdict accounts for this)"
+            f"note: host load {load:.1f} > {cores} cores: other processes compete with the ranks for the CPU; "
+            "'cpu wait' is the time this took from the training threads (host-contention above its threshold)"
         )
     if not s["findings"]:
         lines.append("verdict: healthy (no bottleneck above the thresholds)")

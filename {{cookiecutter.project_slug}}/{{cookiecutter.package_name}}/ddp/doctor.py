@@ -14,6 +14,12 @@ Per rank and per step it measures (host clock; CUDA events for the all-reduce on
   (progress bar, loggers, Lightning's per-step SIGTERM broadcast). Validation and checkpointing between
   epochs are outside the measurement.
 - peak memory: `torch.cuda.max_memory_allocated` on GPU, peak RSS of the process on CPU.
+- host contention: time the training thread was ready to run but waited for a CPU (Linux's
+  /proc/thread-self/schedstat run-queue delay), within the step and within each of its parts. Other
+  processes, more ranks x threads than cores, or loader workers competing for the cores stretch every part
+  of the step without that part being slow; this says how much, so that e.g. a data wait that is really
+  waiting for a CPU is not called data-bound. 0 where the kernel offers no schedstat.
+- garbage collection: time in Python's collector during the step (gc.callbacks).
 
 At the end of fit (and every `report_every_n_steps` batches when set) every rank contributes its numbers to
 one `all_gather`; rank 0 prints the report, writes `doctor.json` into the run's log directory (with a logger), and the
@@ -23,6 +29,7 @@ Cost: a few `perf_counter` calls and list appends per step, in Python floats; no
 per step. On CUDA only one batch in `cuda_sample_every` is synchronised, to time its parts exactly.
 """
 
+import gc
 import json
 import os
 import resource
@@ -47,9 +54,30 @@ class _Totals:
     def __init__(self) -> None:
         self.steps = self.wall_s = self.samples = 0.0
         self.timed_steps = self.data_s = self.busy_s = self.comm_s = self.step_s = 0.0
+        self.contention_s = self.data_contention_s = self.busy_contention_s = self.gc_s = 0.0
 
-    def row(self, peak_mem_bytes: float) -> list[float]:
-        return [getattr(self, name) for name in FIELDS[:-1]] + [peak_mem_bytes]
+    def row(self, device_index: float, peak_mem_bytes: float) -> list[float]:
+        return [getattr(self, name) for name in FIELDS[:-2]] + [device_index, peak_mem_bytes]
+
+
+class _RunQueue:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat), as a clock."""
+
+    def __init__(self) -> None:
+        try:  # thread-self: the training thread opens it, in on_fit_start
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 80, 0).split()[1]) / 1e9  # fields: on-CPU ns, run-queue ns, slices
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class ScalingDoctor(L.Callback):
@@ -74,6 +102,7 @@ class ScalingDoctor(L.Callback):
         data_wait_share: See `Thresholds`.
         comm_share: See `Thresholds`.
         memory_imbalance: See `Thresholds`.
+        contention_share: See `Thresholds`.
     """
 
     def __init__(
@@ -89,11 +118,14 @@ class ScalingDoctor(L.Callback):
         data_wait_share: float = Thresholds.data_wait_share,
         comm_share: float = Thresholds.comm_share,
         memory_imbalance: float = Thresholds.memory_imbalance,
+        contention_share: float = Thresholds.contention_share,
     ) -> None:
         self.enabled, self.report_every_n_steps, self.warmup_steps = enabled, report_every_n_steps, warmup_steps
         self.cuda_sample_every, self.summary_file = cuda_sample_every, summary_file
         self.measure_comm = measure_comm
-        self.thresholds = Thresholds(min_step_ms, straggler_wait_share, data_wait_share, comm_share, memory_imbalance)
+        self.thresholds = Thresholds(
+            min_step_ms, straggler_wait_share, data_wait_share, comm_share, memory_imbalance, contention_share
+        )
         self.summary: dict | None = None  # the last report's numbers, on every rank
 
     # ---- set-up -------------------------------------------------------------------------------------------
@@ -110,6 +142,11 @@ class ScalingDoctor(L.Callback):
         self._timing = False  # is this batch's all-reduce timed?
         self._comm: list[tuple] = []  # this batch's all-reduce (start, end) pairs
         self._comm_measured = False
+        self._runqueue = _RunQueue()
+        self._wait_last = self._wait_fetch = self._wait_start = 0.0
+        self._data_wait_s = self._gc_s = self._gc_start = 0.0  # this batch's run-queue wait in next(), its gc time
+        gc.callbacks.append(self._time_gc)
+        self._latency_ms: float | None = None
         self._data_measured = self._time_fetches(trainer)
         if not self._data_measured:
             rank_zero_warn("ScalingDoctor: cannot time the data fetch with this Lightning version; data wait is 0.")
@@ -135,6 +172,12 @@ class ScalingDoctor(L.Callback):
 
         return allreduce_hook(process_group, bucket).then(done)
 
+    def _time_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_start
+
     def _mark(self):
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
@@ -154,26 +197,31 @@ class ScalingDoctor(L.Callback):
         if not self.enabled:
             return
         self._last_end = time.perf_counter()
-        self._fetch_s = 0.0
+        self._wait_last = self._runqueue()
+        self._fetch_s = self._data_wait_s = self._gc_s = 0.0
 
     def _time_fetches(self, trainer: L.Trainer) -> bool:
         """Time the training loop's `next(loader)`; False if Lightning offers no hooks around it."""
 
         def before_fetch() -> None:
+            self._wait_fetch = self._runqueue()
             self._fetch_start = time.perf_counter()
 
         def after_fetch() -> None:
             self._fetch_s += time.perf_counter() - self._fetch_start
+            self._data_wait_s += self._runqueue() - self._wait_fetch
 
         return wrap_fetch_hooks(trainer, before_fetch, after_fetch)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled and not trainer.sanity_checking:
             self._last_end = time.perf_counter()  # mid-epoch validation is not data wait
+            self._wait_last = self._runqueue()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not self.enabled:
             return
+        self._wait_start = self._runqueue()
         self._start = time.perf_counter()
         self._timing = self._batches >= self.warmup_steps and self._batches % self._every == 0
         self._comm.clear()
@@ -185,6 +233,7 @@ class ScalingDoctor(L.Callback):
         if self._timing and self._cuda:
             torch.cuda.synchronize(self._device)
         end = time.perf_counter()
+        wait_end = self._runqueue()
         if self._batches >= self.warmup_steps and self._last_end is not None:
             comm = self._comm_seconds() if self._timing else 0.0
             for t in (self._total, self._window):
@@ -197,19 +246,28 @@ class ScalingDoctor(L.Callback):
                     t.busy_s += end - self._start
                     t.comm_s += comm
                     t.step_s += end - self._last_end
+                    t.contention_s += wait_end - self._wait_last
+                    t.data_contention_s += self._data_wait_s
+                    t.busy_contention_s += wait_end - self._wait_start
+                    t.gc_s += self._gc_s
         self._batches += 1
-        self._fetch_s = 0.0
+        self._fetch_s = self._data_wait_s = self._gc_s = 0.0
         if self.report_every_n_steps and self._batches % self.report_every_n_steps == 0:
             self._report(trainer, pl_module, self._window)
             self._window = _Totals()
         if self._cuda and self._batches >= self.warmup_steps and self._batches % self._every == 0:
             torch.cuda.synchronize(self._device)  # the next batch is timed: start it with an idle device
         self._last_end = time.perf_counter()
+        self._wait_last = self._runqueue()
 
     # ---- report ------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled:
             return
+        gc.callbacks.remove(self._time_gc)
+        self._runqueue.close()
+        if self._comm_measured:
+            self._latency_ms = _allreduce_latency_ms(self._device)
         summary = self._report(trainer, pl_module, self._total)
         log_dir = trainer.log_dir  # a collective: every rank asks
         # Without a logger log_dir is default_root_dir (often the project itself): no run directory to write to.
@@ -218,7 +276,8 @@ class ScalingDoctor(L.Callback):
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, totals: _Totals) -> dict:
         """Gather every rank's numbers (all ranks must call this), print and log them on rank 0."""
-        row = torch.tensor(totals.row(self._peak_memory()), dtype=torch.float64, device=self._device)
+        index = float(self._device.index if self._device.index is not None else -1)
+        row = torch.tensor(totals.row(index, self._peak_memory()), dtype=torch.float64, device=self._device)
         rows = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).tolist()
         s = summarize(rows, self._context(trainer, pl_module))
         s["findings"] = diagnose(s, self.thresholds)
@@ -245,6 +304,7 @@ class ScalingDoctor(L.Callback):
             "device": self._device.type,
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "comm_measured": self._comm_measured,
+            "allreduce_latency_ms": self._latency_ms,
             "data_measured": self._data_measured,
             "grad_mb": grads / 2**20,
             "num_workers": getattr(loader, "num_workers", None),
@@ -263,11 +323,27 @@ _SCALARS = (
     "step_ms",
     "data_wait_pct",
     "comm_pct",
+    "contention_pct",
     "straggler_spread",
     "straggler_wait_pct",
     "memory_imbalance",
 )
-_RANK_SCALARS = ("samples_per_s", "step_ms", "data_ms", "compute_ms", "comm_ms", "peak_mem_mb")
+_RANK_SCALARS = ("samples_per_s", "step_ms", "data_ms", "compute_ms", "comm_ms", "contention_ms", "peak_mem_mb")
+
+
+def _allreduce_latency_ms(device: torch.device, reps: int = 20) -> float:
+    """Median time of an all-reduce of one number over all ranks: the all-reduce's fixed cost (latency), which
+    with the timed gradient all-reduce separates latency from bandwidth for scaling.py's prediction."""
+    one = torch.zeros(1, device=device)
+    times = []
+    torch.distributed.barrier()
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.distributed.all_reduce(one)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[reps // 2]
 
 
 @rank_zero_only

@@ -1,0 +1,141 @@
+"""The scaling gap (ddp/gap.py, `scaling.py --explain`) on runs whose cause is known: the sleeping model of
+tests/sleepy.py on 1, 2, 4 and 8 CPU processes, each cause injected on its own. Machinery tests."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MAIN, PROJECT, finish, kill, start
+
+from {{ cookiecutter.package_name }}.ddp.gap import EFFICIENCY_LINE, explain, measured_without_contention, predict
+
+pytestmark = pytest.mark.machinery
+
+TESTS = Path(__file__).resolve().parent
+STEPS = 20  # 3 warm-up + 17 timed
+FIT = [
+    "fit",
+    *("--config", str(TESTS / "toy.yaml"), "--model", "sleepy.Sleepy", "--data", "sleepy.SleepyData"),
+    *("--trainer.accelerator", "cpu", "--trainer.max_steps", str(STEPS), "--trainer.num_sanity_val_steps", "0"),
+    *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
+    *("--doctor.measure_comm", "true"),
+]
+# The sleeping model with 40 ms of fixed compute + 1.5 ms per sample, 64 samples per step: 136 ms on 1
+# device, 52 ms on 8 (ideal 17 ms): the more devices, the more the fixed cost dominates (a per-device batch
+# too small for it). Each cause below is sized to stand out on a loaded 2-core host.
+SLEEPY = ("--model.fixed_ms", "40", "--model.per_sample_ms", "1.5")
+CASES = {  # name: (devices, extra args, pinned to one core)
+    "clean-1": (1, SLEEPY, False),
+    "clean-2": (2, SLEEPY, False),
+    "clean-4": (4, SLEEPY, False),
+    "clean-8": (8, SLEEPY, False),
+    # 120 ms of loading per batch, whatever its size: 60 ms per step above the ideal on 2 devices.
+    "data-1": (1, (*SLEEPY, "--data.batch_delay_ms", "120"), False),
+    "data-2": (2, (*SLEEPY, "--data.batch_delay_ms", "120"), False),
+    # 32 MB of gradients all-reduced over gloo every step.
+    "grad-1": (1, (*SLEEPY, "--model.grad_mb", "32"), False),
+    "grad-2": (2, (*SLEEPY, "--model.grad_mb", "32"), False),
+    # Rank 1 computes 60 ms longer; compared with clean-1 (there is no rank 1 there).
+    "straggler-2": (2, (*SLEEPY, "--model.straggler_ms", "60"), False),
+    # Real CPU work (spinning), 2 ranks on 1 core.
+    "oversub-1": (1, (*SLEEPY, "--model.spin", "true"), True),
+    "oversub-2": (2, (*SLEEPY, "--model.spin", "true"), True),
+}
+# Each cause's run on 2 devices (4 for the small batch), the 1-device run it is compared with, the part
+# of the gap it must be.
+CAUSES = {
+    "slow data": ("data-1", "data-2", "data"),
+    "large gradient": ("grad-1", "grad-2", "comm"),
+    "straggler": ("clean-1", "straggler-2", "straggler"),
+    "oversubscription": ("oversub-1", "oversub-2", "contention"),
+    "small per-device batch": ("clean-1", "clean-4", "compute"),
+}
+# How far the predicted speed-up may be from the measured one (relative). Measured (predicted / measured
+# without the wait for a CPU - 1) over 4 runs of the clean cases (3 of these, 1 with 20 ms fixed + 2 ms per
+# sample) on the shared 2-core host at load 14-20: 4 devices -1 to +21%, 8 devices +18 to +82%, too
+# optimistic at 8 in every run: 8 ranks on 2 loaded cores all do
+# their step's CPU work (optimizer, DDP's bucket copies, the all-reduce's hops) at the same moment, and the
+# hops of the ring wait for a CPU in gloo's own threads, which the ring model (latency measured at 2 ranks)
+# cannot know and the doctor cannot see. The bounds leave room above the worst run seen.
+TOLERANCE = {4: 0.35, 8: 1.0}
+PIN = "import os, runpy, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); sys.argv = sys.argv[1:]; "
+PIN += "runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def run_cases(base: Path, cases: dict, timeout: float = 600) -> dict[str, dict]:
+    """Start every case at once (start-up overlaps), let them train one at a time (sleepy.TURNS); return
+    each case's doctor summary."""
+    turns = base / "turns"
+    turns.mkdir()
+    env = {"PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "SLEEPY_TURNS": f"{turns},{len(cases)}"}
+    procs = {}
+    try:
+        for name, (devices, args, pinned) in cases.items():
+            root = base / name
+            root.mkdir()
+            cmd = [sys.executable, *(("-c", PIN) if pinned else ()), str(MAIN), *FIT, "--trainer.devices", str(devices)]
+            procs[name] = start([*cmd, *args, "--trainer.default_root_dir", str(root)], root, env)
+        for name, proc in procs.items():
+            result = finish(proc, timeout)
+            assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    finally:
+        for proc in procs.values():
+            kill(proc)
+    summaries = {name: json.loads(next((base / name).rglob("doctor.json")).read_text()) for name in cases}
+    return {name: {**s, "dir": str(base / name)} for name, s in summaries.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    return run_cases(tmp_path_factory.mktemp("gap"), CASES)
+
+
+def gap(runs: dict, base: str, run: str) -> dict:
+    e = explain(runs[base], runs[run])
+    print(base, run, {k: round(v, 1) for k, v in e["parts_ms"].items()}, round(e["gap_ms"], 1), e["verdict"])
+    return e
+
+
+@pytest.mark.parametrize("cause", CAUSES)
+def test_injected_cause_is_the_largest_part_of_the_gap(runs, cause):
+    """Each cause, injected alone, is the largest part of the gap and the verdict names it."""
+    base, run, part = CAUSES[cause]
+    e = gap(runs, base, run)
+    assert e["largest"] == part and e["efficiency"] < EFFICIENCY_LINE and e["verdict"] != "healthy"
+
+
+@pytest.mark.parametrize("pair", [*[c[:2] for c in CAUSES.values()], ("clean-1", "clean-2"), ("clean-1", "clean-8")])
+def test_parts_add_up_to_the_measured_gap(runs, pair):
+    """What no part holds (the throughput's step against the last rank's timed step) is under 5% of the gap.
+    (Measured: at most 2.6% over the cases of two runs on the 2-core host at load 14-20.)"""
+    e = gap(runs, *pair)
+    assert abs(e["unexplained_ms"]) <= 0.05 * e["gap_ms"]
+
+
+def test_oversubscription_is_named(runs):
+    """2 ranks on 1 core are oversubscribed, and the verdict's fix says why; 2 sleeping ranks on 2 are not."""
+    e = gap(runs, "oversub-1", "oversub-2")
+    assert e["oversubscribed"] == "2 rank(s) x (1 thread(s)) > 1 CPU core(s)" and e["oversubscribed"] in e["fix"]
+    cores = runs["clean-2"]["cpu_cores_visible"]
+    assert (runs["clean-2"]["oversubscribed"] == "") == (cores >= 2)
+
+
+def test_prediction_from_1_and_2_devices(runs):
+    """The speed-up predicted on 4 and 8 devices from the 1- and 2-device runs is within TOLERANCE of the
+    measured one (without the ranks' wait for a CPU, which the prediction assumes away)."""
+    for n in (4, 8):
+        predicted = predict(runs["clean-1"], runs["clean-2"], n)["speedup"]
+        measured = measured_without_contention(runs["clean-1"], runs[f"clean-{n}"])
+        print(f"{n} devices: predicted {predicted:.2f}, measured {measured:.2f}")
+        assert abs(predicted / measured - 1) <= TOLERANCE[n]
+
+
+def test_explain_command(runs, tmp_path):
+    """`scaling.py --explain RUN_1 RUN_N` on two run directories prints the parts and the verdict."""
+    cmd = [sys.executable, str(PROJECT / "scaling.py"), "--explain", runs["clean-1"]["dir"], runs["straggler-2"]["dir"]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "2 device(s) against 1: " in out.stdout and "verdict: straggler: the ranks waited" in out.stdout
+    assert "  waiting for the slowest rank " in out.stdout and "predicted on 8 devices: " in out.stdout
