@@ -1,7 +1,8 @@
 """The real `main.py` runs the guarantee tests share, made once per session (`cpu_runs`).
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
-1 and 2 devices in float64 and float32, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
+1 and 2 devices in float64 and float32 (and in float64 with a CSV logger added and, if the model takes one,
+a warmup + cosine learning-rate schedule), `torchrun`, gradient accumulation (1 device x 4 micro-batches,
 2 devices x 2), runs resumed mid-epoch on the other device count, and `test` on 1 and 2 devices.
 test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
 data module (tests/configured.py).
@@ -23,6 +24,7 @@ import torch
 from helpers import MAIN, finish, kill, start
 
 from {{ cookiecutter.package_name }}.ddp.parity import load_weights
+from {{ cookiecutter.package_name }}.ddp.schedules import WarmupCosine
 
 TESTS = Path(__file__).resolve().parent
 
@@ -65,6 +67,7 @@ def plan(configured: dict) -> dict:
         "two_to_one": max(1, 3 * n // 4),
         "one_to_two": n + max(1, n // 4),
         "micro_batch_size": micro,
+        "takes_scheduler": configured.get("takes_scheduler", False),
     }
 
 
@@ -160,7 +163,7 @@ class Wave:
 
 @pytest.fixture(scope="session")
 def cpu_runs(tmp_path_factory, steps) -> Waves:
-    """Every CPU run the tests compare, in two waves: the second starts from the first's checkpoints."""
+    """Every CPU run the tests compare, in three waves: the second starts from the first's checkpoints."""
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
     first = {
         "1dev-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true")),
@@ -171,6 +174,13 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
         "1dev-acc4-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)),
         "2dev-acc2-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)),
     }
+    # A second logger (CSV, full float64 precision) and, when the model takes one, a warmup + cosine schedule.
+    lr_csv = ["--trainer.logger+=CSVLogger"]
+    if steps["takes_scheduler"]:
+        schedule = f"{WarmupCosine.__module__}.WarmupCosine"
+        warmup = str(max(1, steps["steps_per_epoch"] // 2))
+        lr_csv += ["--model.scheduler", schedule, "--model.scheduler.warmup_steps", warmup]
+    logging = {f"{n}dev-lr-csv": main_cmd(*fit(steps, "cpu", n, "64-true", *lr_csv)) for n in (1, 2)}
     if not steps["micro_batch_size"]:  # the data module takes none, or the global batch has no quarter
         first = {name: cmd for name, cmd in first.items() if "-acc" not in name}
     test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *run_args(steps))
@@ -194,5 +204,6 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
     waves = [
         Wave(tuple(first), lambda runs: first),
         Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev", "predict-1dev", "predict-2dev"), second),
+        Wave(tuple(logging), lambda runs: logging),  # its own wave: its tests alone start only these 2 runs
     ]
     return Waves(tmp_path_factory.mktemp("runs"), waves)

@@ -460,6 +460,7 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
         )
     # LightningCLI replaces the configured model arguments by the checkpoint's: say so when they differ.
     init_args = (model_config.get("init_args") or {}) if hasattr(model_config, "get") else {}
+    init_args = {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in init_args.items()}  # e.g. an optimizer
     changed = [f"{k}={hparams[k]!r} (configured {v!r})" for k, v in init_args.items() if hparams.get(k, v) != v]
     if changed:
         sys.stderr.write(

@@ -78,5 +78,11 @@ def optimization(
                 "--trainer.max_epochs or --trainer.max_steps."
             )
         schedule.total_steps = int(total)
+    warmup, total = getattr(schedule, "warmup_steps", None), getattr(schedule, "total_steps", None)
+    if warmup is not None and total is not None and warmup >= total:
+        raise ValueError(
+            f"{type(schedule).__name__}: warmup_steps={warmup} is not below total_steps={total} (the fit's "
+            "optimizer steps), so the learning rate would never reach its full value: shorten the warmup."
+        )
     interval = getattr(schedule, "interval", "epoch")
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": interval}}
