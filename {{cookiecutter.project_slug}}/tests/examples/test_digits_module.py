@@ -33,3 +33,15 @@ def test_model_learns_a_batch():
         optimizer.step()
     assert 2.0 < first < 2.6
     assert loss.item() < 0.05
+
+
+def test_compile_option_compiles_the_mlp_in_configure_model(monkeypatch):
+    """compile=True compiles the MLP (in place: same parameters and state-dict keys) when Lightning calls
+    configure_model; compile=False compiles nothing."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *args, **kwargs: compiled.append(self))
+    module = DigitsClassifier(compile=True)
+    module.configure_model()
+    assert compiled == [module.model]
+    DigitsClassifier().configure_model()
+    assert compiled == [module.model]

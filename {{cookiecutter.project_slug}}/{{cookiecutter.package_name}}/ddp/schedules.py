@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 
 
@@ -79,10 +80,10 @@ def optimization(
             )
         schedule.total_steps = int(total)
     warmup, total = getattr(schedule, "warmup_steps", None), getattr(schedule, "total_steps", None)
-    if warmup is not None and total is not None and warmup >= total:
-        raise ValueError(
+    if warmup is not None and total is not None and warmup >= total:  # e.g. configs/debug.yaml's 5 batches
+        rank_zero_warn(
             f"{type(schedule).__name__}: warmup_steps={warmup} is not below total_steps={total} (the fit's "
-            "optimizer steps), so the learning rate would never reach its full value: shorten the warmup."
+            "optimizer steps): the learning rate never reaches its full value."
         )
     interval = getattr(schedule, "interval", "epoch")
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": interval}}
