@@ -244,19 +244,21 @@ def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
 
 def test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices(cpu_runs):
     """`--trainer.logger+=CSVLogger` adds a metrics.csv next to TensorBoard's file, with the same tags, and its
-    float64 values (TensorBoard keeps float32) agree between 1 and 2 devices within the float64 bound."""
+    values at full precision (TensorBoard keeps float32) agree between 1 and 2 devices: within the torchmetrics
+    states' float32 rounding (measured: train/loss_epoch 1.1e-7 apart, every other column equal)."""
     one, two = cpu_runs["1dev-lr-csv"], cpu_runs["2dev-lr-csv"]
     logged = read_csv_scalars(two.version)
     assert logged and logged.keys() == read_scalars(two.version).keys() - {"hp_metric"}  # TensorBoard's own tag
     diffs = scalar_diffs(read_csv_scalars(one.version), logged)
-    assert diffs[0].max_rel <= BOUNDS["cpu", "64-true"], report(diffs)
+    assert diffs[0].max_rel <= METRIC_STATE_ROUNDING, report(diffs)
 
 
 def test_compare_command_reads_metrics_csv(cpu_runs, capsys):
     """`python -m <package>.parity A B` compares metrics.csv too when the runs have one."""
     one, two = (str(cpu_runs[f"{n}dev-lr-csv"].version) for n in (1, 2))
-    assert compare_main([one, two, "--rel-tol", str(BOUNDS["cpu", "64-true"])]) == 0
-    assert "metrics.csv, worst of" in capsys.readouterr().out
+    assert compare_main([one, two, "--rel-tol", str(METRIC_STATE_ROUNDING)]) == 0
+    csv_part = capsys.readouterr().out.split("metrics.csv, worst of ")[1]
+    assert int(csv_part.split()[0]) == len(read_csv_scalars(one)) > 0  # every column compared
 
 
 def test_diff_is_relative_to_the_tensor_scale_and_nan_never_passes():
