@@ -11,7 +11,9 @@ import pytest
 import torch
 import yaml
 from helpers import PROJECT, concurrently, run_ok
+from jsonargparse import Namespace
 
+from {{ cookiecutter.package_name }}.ddp.cli import place_loggers
 from {{ cookiecutter.package_name }}.ddp.parity import read_csv_scalars, read_scalars
 
 
@@ -195,3 +197,28 @@ def test_dist_timeout_reaches_a_strategy_given_as_a_class_path():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TIMEOUT")]
     assert lines == ["TIMEOUT TimedDDPStrategy 20.0", "TIMEOUT DDPStrategy 20.0", "TIMEOUT DDPStrategy 45.0"]
+
+
+def logger_config(save_dir: str | None, version: int | None = None) -> Namespace:
+    return Namespace(class_path="L", init_args=Namespace(save_dir=save_dir, name="lightning_logs", version=version))
+
+
+def test_loggers_sharing_a_directory_share_the_next_version(tmp_path, monkeypatch):
+    """Two loggers under default_root_dir get the same version (the one after the highest there); a logger
+    elsewhere, or with its own version, keeps what it had."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (tmp_path / "lightning_logs/version_4").mkdir(parents=True)
+    loggers = [logger_config(str(tmp_path)), logger_config(str(tmp_path)), logger_config("elsewhere")]
+    loggers.append(logger_config(str(tmp_path), version=9))
+    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
+    assert [entry.init_args.version for entry in loggers] == [5, 5, None, 9]
+
+
+def test_loggers_take_the_slurm_job_id_as_version(tmp_path, monkeypatch):
+    """Under SLURM every logger without a version logs into version_<job id>, as Lightning's `logger: true` did,
+    so a requeued job (same id) continues its directory."""
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    loggers = [logger_config(str(tmp_path))]
+    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
+    assert loggers[0].init_args.version == 1234
