@@ -40,6 +40,8 @@ def _measure(args: list[str]) -> dict:
         "takes_micro_batch_size": "micro_batch_size" in inspect.signature(type(data).__init__).parameters,
         # Sharding needs the module to shard its own layers (ModelParallelStrategy does not do it for it).
         "shards_layers": type(model).configure_model is not L.LightningModule.configure_model,
+        # The schedule parity runs set --model.scheduler, which exists only if the model takes it.
+        "takes_scheduler": "scheduler" in inspect.signature(type(model).__init__).parameters,
     }
     if info["global_batch_data"]:
         data.setup("fit")

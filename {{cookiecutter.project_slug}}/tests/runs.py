@@ -1,9 +1,10 @@
 """The real `main.py` runs the guarantee tests share, made once per session (`cpu_runs`).
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
-1 and 2 devices in float64, float32 and bf16-mixed, `torchrun`, gradient accumulation (1 device x 4 micro-batches,
-2 devices x 2), runs resumed mid-epoch on the other device count (2 -> 1 from a copy of the checkpoint
-tagged as written on GPUs), and `test` on 1 and 2 devices.
+1 and 2 devices in float64, float32 and bf16-mixed (and in float64 with a CSV logger added and, if the
+model takes one, a warmup + cosine learning-rate schedule), `torchrun`, gradient accumulation (1 device x 4
+micro-batches, 2 devices x 2), runs resumed mid-epoch on the other device count (2 -> 1 from a copy of the
+checkpoint tagged as written on GPUs), and `test` and `predict` on 1 and 2 devices.
 test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
 data module (tests/configured.py).
 
@@ -25,6 +26,7 @@ from fake_cuda import save_as_cuda
 from helpers import MAIN, finish, kill, start
 
 from {{ cookiecutter.package_name }}.ddp.parity import load_weights
+from {{ cookiecutter.package_name }}.ddp.schedules import WarmupCosine
 
 TESTS = Path(__file__).resolve().parent
 
@@ -67,6 +69,7 @@ def plan(configured: dict) -> dict:
         "two_to_one": max(1, 3 * n // 4),
         "one_to_two": n + max(1, n // 4),
         "micro_batch_size": micro,
+        "takes_scheduler": configured.get("takes_scheduler", False),
     }
 
 
@@ -171,20 +174,32 @@ def as_cuda(run: Run, steps: dict) -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_runs(tmp_path_factory, steps) -> Waves:
-    """Every CPU run the tests compare, in waves: the resumes and evaluations start from the first's
-    checkpoints; bf16 runs on its own."""
+    """Every CPU run the tests compare, in three waves: 1 and 2 devices in float64, which the others are
+    compared with (alone, so that a selection of the tests that read only these two starts only them); the
+    other fits; the resumes and evaluations from the first wave's checkpoints."""
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
     first = {
         "1dev-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true")),
         "2dev-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true")),  # Lightning's own launcher
+    }
+    more = {
         "1dev-fp32": main_cmd(*fit(steps, "cpu", 1, "32-true")),
         "2dev-fp32": main_cmd(*fit(steps, "cpu", 2, "32-true")),
         "torchrun-fp64": torchrun_cmd(*fit(steps, "cpu", 2, "64-true")),
         "1dev-acc4-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)),
         "2dev-acc2-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)),
+        "1dev-bf16": main_cmd(*fit(steps, "cpu", 1, "bf16-mixed")),
+        "2dev-bf16": main_cmd(*fit(steps, "cpu", 2, "bf16-mixed")),
     }
+    # A second logger (CSV, full float64 precision) and, when the model takes one, a warmup + cosine schedule.
+    lr_csv = ["--trainer.logger+=CSVLogger"]
+    if steps["takes_scheduler"]:
+        schedule = f"{WarmupCosine.__module__}.WarmupCosine"
+        warmup = str(max(1, steps["steps_per_epoch"] // 2))
+        lr_csv += ["--model.scheduler", schedule, "--model.scheduler.warmup_steps", warmup]
+    more |= {f"{n}dev-lr-csv": main_cmd(*fit(steps, "cpu", n, "64-true", *lr_csv)) for n in (1, 2)}
     if not steps["micro_batch_size"]:  # the data module takes none, or the global batch has no quarter
-        first = {name: cmd for name, cmd in first.items() if "-acc" not in name}
+        more = {name: cmd for name, cmd in more.items() if "-acc" not in name}
     test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *run_args(steps))
     predict = ("predict", *test[1:])
 
@@ -202,10 +217,9 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
             "predict-2dev": main_cmd(*predict, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
         }
 
-    bf16 = {name: main_cmd(*fit(steps, "cpu", int(name[0]), "bf16-mixed")) for name in ("1dev-bf16", "2dev-bf16")}
     waves = [
         Wave(tuple(first), lambda runs: first),
-        Wave(tuple(bf16), lambda runs: bf16),  # apart: only the bf16 test asks for them
+        Wave(tuple(more), lambda runs: more),
         Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev", "predict-1dev", "predict-2dev"), second),
     ]
     return Waves(tmp_path_factory.mktemp("runs"), waves)

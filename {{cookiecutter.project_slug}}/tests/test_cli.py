@@ -9,12 +9,18 @@ import sys
 
 import pytest
 import torch
+import yaml
 from helpers import PROJECT, concurrently, run_ok
+from jsonargparse import Namespace
+
+from {{ cookiecutter.package_name }}.ddp.cli import place_loggers
+from {{ cookiecutter.package_name }}.ddp.parity import read_csv_scalars, read_scalars
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    """One 3-epoch fit of the configured model and data on 1 CPU process, shared by the tests below."""
+    """One 3-epoch fit of the configured model and data on 1 CPU process, with a CSV logger added to
+    config.yaml's TensorBoard, shared by the tests below."""
     root = tmp_path_factory.mktemp("fit")
     out = run_ok(
         "fit",
@@ -22,6 +28,7 @@ def fitted(tmp_path_factory):
         "cpu",
         "--trainer.max_epochs",
         "3",
+        "--trainer.logger+=CSVLogger",
         "--trainer.default_root_dir",
         str(root),
         cwd=root,
@@ -38,6 +45,51 @@ def test_fit_writes_logs_config_and_checkpoints_under_root(fitted):
     assert (version / "config.yaml").is_file() and (version / "hparams.yaml").is_file()
     ckpts = sorted(p.name for p in (version / "checkpoints").iterdir())
     assert len(ckpts) == 2 and ckpts[1] == "last.ckpt" and ckpts[0].startswith("best-epoch")
+
+
+def test_an_added_logger_writes_into_the_same_run_directory(fitted):
+    """`--trainer.logger+=CSVLogger` adds to config.yaml's TensorBoard, not replaces it: both write every tag into
+    the one version_0 (a logger without save_dir writes under --trainer.default_root_dir)."""
+    root, _ = fitted
+    version = root / "lightning_logs" / "version_0"
+    tensorboard, csv = read_scalars(version), read_csv_scalars(version)
+    assert csv and csv.keys() == tensorboard.keys() - {"hp_metric"}  # TensorBoard's placeholder for its hparams tab
+    assert all(csv[tag].keys() == tensorboard[tag].keys() for tag in csv)
+
+
+def tensorboard_hparams(version) -> list[dict]:
+    """The hyperparameters of each hparams session written into the TensorBoard files of `version`."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    sessions = []
+    for path in version.glob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "hparams" and value.tag == "_hparams_/session_start_info":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    hparams = data.session_start_info.hparams
+                    sessions.append({k: v.string_value or v.number_value for k, v in hparams.items()})
+    return sessions
+
+
+def test_the_run_config_reaches_every_logger(fitted):
+    """The run's whole configuration, as saved in config.yaml, is logged to TensorBoard (its hparams) and to the
+    CSV logger (hparams.yaml) under "config", next to the model's own arguments."""
+    root, _ = fitted
+    version = root / "lightning_logs" / "version_0"
+    saved = (version / "config.yaml").read_text()
+    assert yaml.safe_load((version / "hparams.yaml").read_text())["config"] == saved
+    assert saved in [session.get("config") for session in tensorboard_hparams(version)]
+
+
+def test_learning_rate_is_logged_at_every_step_the_logger_writes(fitted, global_batch):
+    """The CLI adds a LearningRateMonitor to fit: an lr-<optimizer> tag at each of the logger's steps."""
+    root, _ = fitted
+    logged = {t: v for t, v in read_csv_scalars(root / "lightning_logs/version_0").items() if t.startswith("lr-")}
+    every = 10  # config.yaml's log_every_n_steps
+    steps = {s for s in range(3 * global_batch["steps_per_epoch"]) if (s + 1) % every == 0}
+    assert logged and all(values.keys() == steps for values in logged.values())
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +197,28 @@ def test_dist_timeout_reaches_a_strategy_given_as_a_class_path():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TIMEOUT")]
     assert lines == ["TIMEOUT TimedDDPStrategy 20.0", "TIMEOUT DDPStrategy 20.0", "TIMEOUT DDPStrategy 45.0"]
+
+
+def logger_config(save_dir: str | None, version: int | None = None) -> Namespace:
+    return Namespace(class_path="L", init_args=Namespace(save_dir=save_dir, name="lightning_logs", version=version))
+
+
+def test_loggers_sharing_a_directory_share_the_next_version(tmp_path, monkeypatch):
+    """Two loggers under default_root_dir get the same version (the one after the highest there); a logger
+    elsewhere, or with its own version, keeps what it had."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (tmp_path / "lightning_logs/version_4").mkdir(parents=True)
+    loggers = [logger_config(str(tmp_path)), logger_config(str(tmp_path)), logger_config("elsewhere")]
+    loggers.append(logger_config(str(tmp_path), version=9))
+    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
+    assert [entry.init_args.version for entry in loggers] == [5, 5, None, 9]
+
+
+def test_loggers_take_the_slurm_job_id_as_version(tmp_path, monkeypatch):
+    """Under SLURM every logger without a version logs into version_<job id>, as Lightning's `logger: true` did,
+    so a requeued job (same id) continues its directory."""
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    loggers = [logger_config(str(tmp_path))]
+    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
+    assert loggers[0].init_args.version == 1234

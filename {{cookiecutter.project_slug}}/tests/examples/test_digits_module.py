@@ -1,5 +1,7 @@
 """The LightningModule's math, without any Trainer or devices."""
 
+import functools
+
 import torch
 
 from {{ cookiecutter.package_name }}.digits.data import load_digits
@@ -17,7 +19,8 @@ def test_forward_shape_and_hparams():
 def test_model_learns_a_batch():
     """Plain optimizer steps on 128 digits bring the loss from ~2.3 below 0.05."""
     torch.manual_seed(0)
-    module = DigitsClassifier()
+    adamw = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=1e-4)  # config.yaml's
+    module = DigitsClassifier(optimizer=adamw)
     x, y = load_digits().tensors
     x, y = x[:128], y[:128]
     optimizer = module.configure_optimizers()
@@ -30,3 +33,15 @@ def test_model_learns_a_batch():
         optimizer.step()
     assert 2.0 < first < 2.6
     assert loss.item() < 0.05
+
+
+def test_compile_option_compiles_the_mlp_in_configure_model(monkeypatch):
+    """compile=True compiles the MLP (in place: same parameters and state-dict keys) when Lightning calls
+    configure_model; compile=False compiles nothing."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *args, **kwargs: compiled.append(self))
+    module = DigitsClassifier(compile=True)
+    module.configure_model()
+    assert compiled == [module.model]
+    DigitsClassifier().configure_model()
+    assert compiled == [module.model]

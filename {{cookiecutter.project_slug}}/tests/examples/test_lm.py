@@ -1,6 +1,7 @@
 """The language-model example: it learns, and its FLOP count (for throughput and MFU) is right."""
 
 import csv
+import functools
 import itertools
 import math
 from pathlib import Path
@@ -20,6 +21,8 @@ from {{ cookiecutter.package_name }}.lm.data import TextDataModule, sequences_in
 from {{ cookiecutter.package_name }}.lm.module import VOCAB_SIZE, LanguageModel
 
 TINY = dict(n_layers=2, d_model=64, n_heads=4, block_size=64)
+# configs/lm.yaml's optimizer
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
 
 
 def test_bundled_text_splits_into_sequences():
@@ -38,7 +41,7 @@ def test_loss_drops_in_twenty_steps():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # more threads only contend on a small, shared CPU
     try:
-        module, dm = LanguageModel(**TINY), TextDataModule(global_batch_size=16, block_size=64)
+        module, dm = LanguageModel(**TINY, optimizer=ADAMW), TextDataModule(global_batch_size=16, block_size=64)
         dm.setup("fit")
         optimizer = module.configure_optimizers()
         losses = []
@@ -54,6 +57,25 @@ def test_loss_drops_in_twenty_steps():
     assert losses[-1] < 3.4
 
 
+def test_optimizer_gets_weight_decay_on_matrices_only():
+    """The optimizer callable receives two groups: weight matrices with its own weight_decay (0.1), and biases,
+    norms and the position table with none."""
+    module = LanguageModel(**TINY, optimizer=ADAMW)
+    decay, other = module.configure_optimizers().param_groups
+    assert (decay["weight_decay"], other["weight_decay"]) == (0.1, 0.0) and decay["lr"] == other["lr"] == 3e-3
+    assert all(p.dim() == 2 for p in decay["params"]) and module.model.pos_emb.weight in other["params"]
+    assert len(decay["params"]) + len(other["params"]) == len(list(module.parameters()))
+
+
+def test_compile_option_compiles_each_block(monkeypatch):
+    """compile=True compiles each transformer block on its own (identical blocks share the compiled code)."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *args, **kwargs: compiled.append(self))
+    module = LanguageModel(**TINY, compile=True)
+    module.configure_model()
+    assert compiled == list(module.model.blocks)
+
+
 def test_flops_per_sequence_matches_the_transformer_formula():
     """Counted FLOPs = 6 x matmul params x T + 12 x layers x T^2 x d_model (attention), exactly."""
     module = LanguageModel(**TINY)
@@ -67,6 +89,7 @@ def test_flops_per_sequence_matches_the_transformer_formula():
 def test_lm_trains_sharded_from_the_presets(tmp_path):
     """configs/lm.yaml + configs/model_parallel.yaml on 2 CPU processes: shards per rank, validation loss drops."""
     tiny = ["--model.n_layers", "2", "--model.d_model", "64", "--model.block_size", "64", "--data.block_size", "64"]
+    tiny += ["--model.scheduler", "null"]  # 4 steps: within lm.yaml's 20 warmup steps the lr stays small
     run_ok(
         "fit",
         *["--config", "configs/lm.yaml", "--config", "configs/model_parallel.yaml", *tiny],

@@ -6,6 +6,7 @@ written. A failure prints one `error:` line that says what to change and exits
 with status 2, like an unknown flag does.
 """
 
+import inspect
 import os
 import sys
 import traceback
@@ -16,10 +17,10 @@ from typing import Any
 
 import torch
 from jsonargparse.typing import PositiveInt
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
@@ -59,6 +60,16 @@ class ArgumentParser(LightningArgumentParser):
     def print_usage(self, file: Any = None) -> None:  # argparse calls it only on errors
         pass
 
+    def validate(self, cfg: Any, *args: Any, **kwargs: Any) -> None:
+        # Before the check that a logger's required save_dir is set: a logger without one writes under
+        # --trainer.default_root_dir, as Lightning's `logger: true` does (`--trainer.logger+=CSVLogger` then works).
+        for trainer in (cfg.get("trainer"), cfg.get(f"{cfg.get('subcommand')}.trainer")):
+            if hasattr(trainer, "get"):
+                for args_ in logger_init_args(trainer):
+                    if "save_dir" in args_ and args_.save_dir is None:
+                        args_.save_dir = str(trainer.get("default_root_dir") or os.getcwd())
+        super().validate(cfg, *args, **kwargs)
+
 
 class RunConfigSaver(SaveConfigCallback):
     """Saves the run's `config.yaml` into its log directory, and nowhere else.
@@ -70,6 +81,13 @@ class RunConfigSaver(SaveConfigCallback):
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if trainer.logger is not None:  # the same on every rank, so the collective inside runs on all or none
             super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        # The whole resolved configuration (every class, every argument) to every logger, as one YAML text
+        # under "config" (CSV: hparams.yaml; TensorBoard: its hparams tab), not only to the first one's dir.
+        config = self.parser.dump(self.config, skip_none=False)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": config})
 
 
 class CLI(LightningCLI):
@@ -132,6 +150,7 @@ class CLI(LightningCLI):
         try:
             match_torchrun(config.get("trainer") or {})
             self.resumed_run = resolve_ckpt_path(config, subcommand)
+            place_loggers(config.get("trainer") or {}, self.resumed_run)
             check_config(config)
         except BadInput as error:
             if rank_label() == "0":  # under torchrun every rank parses: one line is enough
@@ -144,12 +163,14 @@ class CLI(LightningCLI):
             if rank_label() == "0" and self.subcommand:
                 sys.stderr.write(plain_datamodule_warning(self.datamodule) + "\n")
         ckpt_path = config.get("ckpt_path")
-        if ckpt_path and Path(ckpt_path).is_file():
-            try:
+        try:
+            check_optimizer_flags(config, self.model)
+            if ckpt_path and Path(ckpt_path).is_file():
                 check_state_dict_fits(self.model, ckpt_path)
-            except BadInput as error:
+        except BadInput as error:
+            if rank_label() == "0":
                 sys.stderr.write(f"error: {error}\n")
-                sys.exit(2)
+            sys.exit(2)
         if self.trainer.precision == "64-true":
             # Lightning loads checkpoint weights before the precision plugin converts the model, which
             # would round float64 weights to float32 on resume. Converting first keeps them exact.
@@ -169,16 +190,15 @@ class CLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
-        if self.resumed_run is not None and config.get("logger") in (True, None):
-            # `--ckpt_path last` continues a run: its logs and checkpoints stay in that run's directory.
-            run = self.resumed_run
-            config["logger"] = TensorBoardLogger(save_dir=run.parent.parent, name=run.parent.name, version=run.name)
         stop = GracefulStop(self._get(self.config, "stop_check_every_n_steps"))
         requeue = [SlurmRequeue()] if self._get(self.config, "slurm_requeue") else []
         configured = [*(config.get("callbacks") or []), *callbacks]
         writes = self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured)
         writer = [PredictionWriter()] if writes else []  # else predictions stay in memory, per rank
-        return super()._instantiate_trainer(config, [*callbacks, stop, *requeue, *writer])
+        # The learning rate of each parameter group, at every logged step, to every logger (fit only; it needs one).
+        monitors = config.get("logger") and not any(isinstance(c, LearningRateMonitor) for c in configured)
+        lr = [LearningRateMonitor(logging_interval="step")] if self.subcommand == "fit" and monitors else []
+        return super()._instantiate_trainer(config, [*callbacks, stop, *requeue, *writer, *lr])
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 
@@ -243,6 +263,62 @@ def check_config(config: Any) -> None:
     ckpt_path = config.get("ckpt_path")
     if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_PATHS and "://" not in str(ckpt_path):
         check_checkpoint(str(ckpt_path), config.get("model"))
+
+
+def logger_init_args(trainer: Any) -> list[Any]:
+    """The `init_args` of each logger given by class path in a trainer config (none for `logger: true`)."""
+    loggers = trainer.get("logger")
+    loggers = loggers if isinstance(loggers, list) else [loggers]
+    return [e.init_args for e in loggers if hasattr(e, "get") and hasattr(e.get("init_args"), "get")]
+
+
+def place_loggers(trainer: Any, resumed_run: Path | None) -> None:
+    """Put the loggers that write under `--trainer.default_root_dir` into one run directory.
+
+    A logger without `save_dir` writes there (`ArgumentParser.validate`), like Lightning's `logger: true`.
+    Loggers that share a directory and set no version share one: the SLURM job id (a requeued job continues
+    it; Lightning's own choice for `logger: true`), the run that `fit --ckpt_path last` continues, or else
+    the next free number, found once for all of them.
+    """
+    if not hasattr(trainer, "get"):
+        return
+    root = str(trainer.get("default_root_dir") or os.getcwd())
+    entries = logger_init_args(trainer)
+    if resumed_run is not None:  # `--ckpt_path last` continues a run: its logs stay in that run's directory
+        for args in entries:
+            if args.get("save_dir") == root and "version" in args and args.version is None:
+                args.save_dir, args.name = str(resumed_run.parent.parent), resumed_run.parent.name
+                args.version = resumed_run.name
+        return
+    groups: dict[Path, list[Any]] = {}
+    for args in entries:
+        if "version" in args and args.version is None and args.get("save_dir") is not None:
+            groups.setdefault(Path(args.save_dir) / (args.get("name") or ""), []).append(args)
+    for directory, group in groups.items():
+        version = SLURMEnvironment.job_id()
+        if version is None and len(group) > 1:
+            version = next_version(directory)
+        for args in group:
+            args.version = version
+
+
+def next_version(directory: Path) -> int:
+    """The number after the highest `version_N` in `directory` (0 if none), as Lightning's loggers count."""
+    numbers = [int(p.name[8:]) for p in directory.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
+    return max(numbers, default=-1) + 1
+
+
+def check_optimizer_flags(config: Any, model: Any) -> None:
+    """LightningCLI's `--optimizer`/`--lr_scheduler` replace the module's `configure_optimizers`; a module that
+    takes its optimizer and schedule as arguments would silently lose them (and its parameter groups)."""
+    given = [flag for flag in ("optimizer", "lr_scheduler") if config.get(flag)]
+    takes = inspect.signature(type(model).__init__).parameters.keys() & {"optimizer", "scheduler"}
+    if given and takes:
+        raise BadInput(
+            f"--{given[0]} would replace {type(model).__name__}.configure_optimizers: this model takes its "
+            "optimizer and schedule as arguments, so use --model.optimizer CLASS (--model.optimizer.lr ...) and "
+            "--model.scheduler CLASS; see python main.py fit --model.help " + type(model).__name__ + "."
+        )
 
 
 def match_torchrun(trainer: Any) -> None:
@@ -384,6 +460,7 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
         )
     # LightningCLI replaces the configured model arguments by the checkpoint's: say so when they differ.
     init_args = (model_config.get("init_args") or {}) if hasattr(model_config, "get") else {}
+    init_args = {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in init_args.items()}  # e.g. an optimizer
     changed = [f"{k}={hparams[k]!r} (configured {v!r})" for k, v in init_args.items() if hparams.get(k, v) != v]
     if changed:
         sys.stderr.write(

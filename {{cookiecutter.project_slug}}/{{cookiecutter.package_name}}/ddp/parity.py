@@ -1,8 +1,8 @@
 """Compare two training runs: did N devices train the same model as 1 device?
 
 A run is a Lightning log directory (`lightning_logs/version_N`): its
-`checkpoints/last.ckpt` holds the final weights and its TensorBoard file the
-logged scalars. `tests/test_parity.py` compares runs with these functions; do
+`checkpoints/last.ckpt` holds the final weights, and its TensorBoard file and
+(with a CSVLogger) its `metrics.csv` the logged scalars. `tests/test_parity.py` compares runs with these functions; do
 the same with your own runs from the command line:
 
     python -m {{ cookiecutter.package_name }}.ddp.parity one/lightning_logs/version_0 two/lightning_logs/version_0
@@ -14,6 +14,7 @@ max_rel is relative to the tensor's scale, so entries near zero do not inflate i
 """
 
 import argparse
+import csv
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,6 +94,23 @@ def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in tags}
 
 
+def read_csv_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
+    """Every training scalar in the CSVLogger's `metrics.csv` of `log_dir`, as {tag: {step: value}}, at the
+    precision it was logged (float64 in a float64 run, unlike TensorBoard's float32); no file: {}.
+    The doctor's tags are left out, as in `read_scalars`."""
+    path = Path(log_dir) / "metrics.csv"
+    if not path.is_file():
+        return {}
+    scalars: dict[str, dict[int, float]] = {}
+    with path.open(newline="") as file:
+        for row in csv.DictReader(file):  # one row per log call; a row's other columns are empty
+            step = int(row.pop("step"))
+            for tag, value in row.items():
+                if value != "" and not tag.startswith("doctor/"):
+                    scalars.setdefault(tag, {})[step] = float(value)
+    return scalars
+
+
 def scalar_diffs(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[int, float]]) -> list[Diff]:
     """One `Diff` per logged tag over all its steps, worst first; different tags or steps are an error."""
     if a.keys() != b.keys():
@@ -127,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     scalars = scalar_diffs(read_scalars(args.a), read_scalars(args.b))
     print(f"weights, worst of {len(weights)} tensors:\n{report(weights)}")
     print(f"logged scalars, worst of {len(scalars)} tags:\n{report(scalars)}")
+    csv_a, csv_b = read_csv_scalars(args.a), read_csv_scalars(args.b)
+    if csv_a or csv_b:  # a run with a CSVLogger: its full-precision values too
+        scalars += (csv_scalars := scalar_diffs(csv_a, csv_b))
+        print(f"metrics.csv, worst of {len(csv_scalars)} columns:\n{report(csv_scalars)}")
     worst = worst_first(weights + scalars)[0].max_rel if weights + scalars else 0.0
     ok = worst <= args.rel_tol  # False for NaN
     print(f"{'PASS' if ok else 'FAIL'}: worst max_rel {worst:.3g} vs --rel-tol {args.rel_tol:g}")

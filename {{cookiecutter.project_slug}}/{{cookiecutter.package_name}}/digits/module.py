@@ -8,10 +8,13 @@ validation and test numbers count every sample exactly once on any world size.
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..ddp.compiling import compile_layers
+from ..ddp.schedules import optimization
 from ..ddp.sharding import shard_layers
 from .model import MLP
 
@@ -22,25 +25,32 @@ class DigitsClassifier(L.LightningModule):
     Args:
         hidden_dim: Width of each hidden layer.
         num_layers: Number of hidden layers.
-        lr: AdamW learning rate (for the global batch; it does not change with the device count).
-        weight_decay: AdamW weight decay.
         in_features: Pixels per image.
         num_classes: Number of labels.
+        optimizer: The optimizer class, called with the parameters; its learning rate is for the global
+            batch, so it does not change with the device count. config.yaml: AdamW, lr 3e-3, weight decay
+            1e-4. Another: --model.optimizer torch.optim.SGD --model.optimizer.lr 0.1 (arguments the two
+            classes share, such as weight_decay, carry over unless given).
+        scheduler: A learning-rate schedule called with the optimizer, or None for a constant lr, e.g.
+            --model.scheduler {{ cookiecutter.package_name }}.ddp.schedules.WarmupCosine
+            --model.scheduler.warmup_steps 32 (stepped per optimizer step).
+        compile: Compile the MLP with torch.compile (the first steps then wait for the compiler).
     """
 
     def __init__(
         self,
         hidden_dim: int = 128,
         num_layers: int = 2,
-        lr: float = 3e-3,
-        weight_decay: float = 1e-4,
         in_features: int = 64,
         num_classes: int = 10,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         # Plain attributes, not self.hparams: a subclass with its own __init__ saves only its own arguments.
-        self.lr, self.weight_decay = lr, weight_decay
+        self.optimizer, self.scheduler, self.compile_model = optimizer, scheduler, compile
         self.model = MLP(in_features, hidden_dim, num_layers, num_classes)
         # One metric object per stage: their states are reset and synced independently.
         # nan_strategy="disable": a NaN loss must show as NaN, and the default NaN check costs a
@@ -56,6 +66,8 @@ class DigitsClassifier(L.LightningModule):
         )
 
     def configure_model(self) -> None:
+        if self.compile_model:
+            compile_layers([self.model])
         # Only under ModelParallelStrategy (configs/model_parallel.yaml) is there a device mesh: then each
         # Linear layer is sharded over the ranks. Under DDP this does nothing.
         if self.device_mesh is not None:
@@ -104,5 +116,5 @@ class DigitsClassifier(L.LightningModule):
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self(batch[0]).argmax(dim=-1)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
+        return optimization(self, self.optimizer(self.parameters()), self.scheduler)

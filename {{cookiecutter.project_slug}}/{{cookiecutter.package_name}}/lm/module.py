@@ -10,9 +10,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import measure_flops
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from ..ddp.compiling import compile_layers
+from ..ddp.schedules import optimization
 from ..ddp.sharding import shard_layers
 from .gpt import GPT
 
@@ -27,10 +30,14 @@ class LanguageModel(L.LightningModule):
         d_model: Width of the residual stream.
         n_heads: Attention heads per block (d_model must be a multiple).
         block_size: Longest context in bytes (learned positions).
-        lr: AdamW learning rate, for the global batch.
-        weight_decay: AdamW weight decay.
         activation_checkpointing: Under ModelParallelStrategy, recompute each block's activations
             during backward instead of storing them (less memory, ~1/3 more compute).
+        optimizer: The optimizer class, called with two parameter groups: the weight matrices, which get
+            the optimizer's weight_decay, and biases, norms and the position table, which get none.
+            configs/lm.yaml: AdamW, lr 3e-3 (for the global batch), weight decay 0.1, betas (0.9, 0.95).
+        scheduler: A learning-rate schedule called with the optimizer, or None for a constant lr.
+            configs/lm.yaml: WarmupCosine, 20 warmup steps, then cosine decay to 0.1 x lr at the end of fit.
+        compile: Compile each transformer block with torch.compile (identical blocks share the compiled code).
     """
 
     def __init__(
@@ -39,13 +46,15 @@ class LanguageModel(L.LightningModule):
         d_model: int = 128,
         n_heads: int = 4,
         block_size: int = 128,
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
         activation_checkpointing: bool = False,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.lr, self.weight_decay, self.activation_checkpointing = lr, weight_decay, activation_checkpointing
+        self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.model = GPT(VOCAB_SIZE, block_size, n_layers, d_model, n_heads)
         self.train_loss, self.val_loss = MeanMetric(nan_strategy="disable"), MeanMetric(nan_strategy="disable")
         # Training FLOPs (forward + backward) of one sequence of block_size tokens, counted on a
@@ -56,6 +65,8 @@ class LanguageModel(L.LightningModule):
         self.flops_per_batch = 0
 
     def configure_model(self) -> None:
+        if self.compile_blocks:  # before sharding, as torchtitan does: fully_shard then wraps compiled blocks
+            compile_layers(self.model.blocks)
         if self.device_mesh is not None:
             shard_layers(self.model, self.model.blocks, self.device_mesh, self.activation_checkpointing)
 
@@ -82,9 +93,10 @@ class LanguageModel(L.LightningModule):
         self.val_loss.update(self._loss(batch), weight=batch[0].shape[0])
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        # No weight decay on biases, norms and the position table: the usual GPT recipe.
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
+        # No weight decay on biases, norms and the position table: the usual GPT recipe. The first group
+        # takes the optimizer's own weight_decay.
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "pos_emb" not in n]
         other = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "pos_emb" not in n)]
-        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": other, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
+        groups = [{"params": decay}, {"params": other, "weight_decay": 0.0}]
+        return optimization(self, self.optimizer(groups), self.scheduler)
