@@ -214,7 +214,8 @@ class ScalingDoctor(L.Callback):
         return wrap_fetch_hooks(trainer, before_fetch, after_fetch)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.enabled and not trainer.sanity_checking:
+        # Only inside fit (`validate` alone also ends here, with nothing started) and after the sanity check.
+        if self.enabled and trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._last_end = time.perf_counter()  # mid-epoch validation is not data wait
             self._wait_last = self._runqueue()
 
