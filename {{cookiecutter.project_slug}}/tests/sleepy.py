@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from toy import ToyData
 
-# "DIR,COUNT": every run's rank 0 marks itself ready in DIR, waits until COUNT runs are (or 300 s pass),
+# "DIR,COUNT": every run's rank 0 marks itself ready in DIR, waits until COUNT runs are (or 900 s pass),
 # then holds an exclusive lock on DIR/turn from the start of training to its end.
 TURNS = "SLEEPY_TURNS"
 
@@ -32,7 +32,7 @@ def _take_turn(rank: int) -> int | None:
         return None
     folder, count = os.environ[TURNS].rsplit(",", 1)
     Path(folder, f"ready-{os.getpid()}").touch()
-    deadline = time.monotonic() + 300  # a run that died before training must not hold up the others
+    deadline = time.monotonic() + 900  # a run that died before training must not hold up the others
     while len(list(Path(folder).glob("ready-*"))) < int(count) and time.monotonic() < deadline:
         time.sleep(0.2)
     fd = os.open(Path(folder, "turn"), os.O_CREAT | os.O_RDWR)

@@ -21,6 +21,9 @@ FIT = [
     *("--trainer.accelerator", "cpu", "--trainer.max_steps", str(STEPS), "--trainer.num_sanity_val_steps", "0"),
     *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
     *("--doctor.measure_comm", "true"),
+    # The other ranks wait at a barrier while rank 0 waits for its run's turn (tests/sleepy.py): longer than
+    # the 300 s default collective timeout when 26 processes start up on 2 cores (setup took 404 s once).
+    *("--dist_timeout", "1800"),
 ]
 # The sleeping model with 40 ms of fixed compute + 1.5 ms per sample, 64 samples per step: 136 ms on 1
 # device, 52 ms on 8 (ideal 17 ms): the more devices, the more the fixed cost dominates (a per-device batch
