@@ -86,7 +86,7 @@ GENERATED = {
     ),
     "python main.py fit --print_config": Run(expect=["class_path: ddp_digits.digits.module.DigitsClassifier"]),
     "python main.py fit --help": Run(expect=["--trainer.devices", "--doctor.comm_share", "--model.help CLASS"]),
-    "python main.py fit --model.help DigitsClassifier": Run(expect=["--model.hidden_dim", "--model.lr"]),
+    "python main.py fit --model.help DigitsClassifier": Run(expect=["--model.hidden_dim", "--model.optimizer"]),
     "python main.py fit --data.help DigitsDataModule": Run(expect=["--data.global_batch_size"]),
     "python main.py fit --config configs/debug.yaml": Run(
         expect=["FIT Profiler Report", "Scaling doctor: 1 x cpu, 2 steps"]  # 5 batches, 3 of them warm-up
