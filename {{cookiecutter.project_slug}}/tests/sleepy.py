@@ -7,7 +7,8 @@ a large gradient, a straggler rank, CPU work instead of sleep (oversubscription 
 cores), a large fixed cost per step (a per-device batch too small for it). `tests/` on PYTHONPATH.
 
 Several runs started at once take turns to train (TURNS): they start up together, which is most of a
-short run, but time their steps one run at a time, so that one run's CPU work does not slow another's.
+short run, but time their steps one run at a time, so that one run's CPU work (its steps, or its
+processes tearing down after their turn) does not slow another's.
 """
 
 import fcntl
@@ -22,11 +23,20 @@ from torch.utils.data import Dataset
 from toy import ToyData
 
 # "DIR,COUNT": every run's rank 0 marks itself ready in DIR, waits until COUNT runs are (or 900 s pass),
-# then holds an exclusive lock on DIR/turn from the start of training to its end.
+# then holds an exclusive lock on DIR/turn from the start of training to its end. The lock holder writes
+# its ranks' process ids into DIR/turn; the next holder waits until they have exited.
 TURNS = "SLEEPY_TURNS"
 
 
-def _take_turn(rank: int) -> int | None:
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; its parent has not yet collected it
+
+
+def _take_turn(rank: int, pids: list[int]) -> int | None:
     """Wait for this run's turn (see TURNS); the lock's file descriptor on rank 0, else None."""
     if rank != 0 or not os.environ.get(TURNS):
         return None
@@ -37,6 +47,14 @@ def _take_turn(rank: int) -> int | None:
         time.sleep(0.2)
     fd = os.open(Path(folder, "turn"), os.O_CREAT | os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    # The previous run released the lock at the end of its training; its processes then still save,
+    # log and tear down (seconds of CPU each, 8 processes after the 8-device run).
+    previous = [int(p) for p in os.pread(fd, 4096, 0).split()]
+    deadline = time.monotonic() + 120
+    while any(_running(p) for p in previous) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, " ".join(map(str, pids)).encode(), 0)
     return fd
 
 
@@ -68,7 +86,8 @@ class Sleepy(L.LightningModule):
         self.weight = nn.Parameter(torch.zeros(int(grad_mb * 2**18)))  # 2**18 float32 = 1 MB
 
     def on_train_start(self) -> None:
-        self._turn = _take_turn(self.global_rank)
+        pids = self.trainer.strategy.all_gather(torch.tensor(os.getpid())).reshape(-1).tolist()
+        self._turn = _take_turn(self.global_rank, pids)
         self.trainer.strategy.barrier()  # the other ranks start with rank 0
 
     def on_train_end(self) -> None:
@@ -94,6 +113,17 @@ class Sleepy(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    # The sleep stands for all of a step's compute. A real optimizer step and a fresh gradient buffer every
+    # step would add CPU work that grows with `grad_mb` and does not shrink with the per-device batch (48 ms
+    # per step at 32 MB on this 2-core host, more than the all-reduce's 39 ms at 2 ranks): the large-gradient
+    # case would then be compute-bound. The gradient is zeros and the learning rate 0, so skipping both
+    # changes nothing but that cost; DDP still all-reduces the whole gradient every step.
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        optimizer_closure()  # forward and backward (with DDP's all-reduce), no update
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        pass  # zeros accumulate into the same buffer: no 32 MB allocation (page faults) per step
 
 
 class _BatchDelay(Dataset):
