@@ -17,13 +17,15 @@ def rank(
     wait_ms=0.0,
     data_wait_ms=0.0,
     busy_wait_ms=0.0,
+    node=0,
+    device=-1,
 ) -> list[float]:
     """One rank's gathered row (FIELDS) for `steps` timed steps of the given per-step times (wait: for a CPU)."""
     per = {"data_s": data_ms, "busy_s": busy_ms, "comm_s": comm_ms, "step_s": step_ms, "contention_s": wait_ms}
     per.update({"data_contention_s": data_wait_ms, "busy_contention_s": busy_wait_ms, "gc_s": 0.0})
     row = {"steps": steps, "wall_s": steps * step_ms / 1000, "samples": steps * batch, "timed_steps": steps}
     row.update({k: steps * v / 1000 for k, v in per.items()})
-    row["device_index"], row["peak_mem_bytes"] = -1, peak_mb * 2**20
+    row["node_rank"], row["device_index"], row["peak_mem_bytes"] = node, device, peak_mb * 2**20
     return [row[f] for f in FIELDS]
 
 
@@ -84,6 +86,16 @@ def test_more_threads_than_cores_is_oversubscribed():
     ctx = {"device": "cpu", "cpu_threads_per_rank": 2, "cpu_cores_visible": 2, "num_workers": 0}
     assert summarize([rank()] * 2, ctx)["oversubscribed"] == "2 rank(s) x (2 thread(s)) > 2 CPU core(s)"
     assert summarize([rank()] * 2, {**ctx, "cpu_threads_per_rank": 1})["oversubscribed"] == ""
+
+
+def test_ranks_on_one_gpu_are_oversubscribed():
+    """Two ranks on cuda:0 of one machine share it; cuda:0 on two machines, or cuda:0 and 1, do not."""
+    ctx = {"device": "cuda"}
+    assert summarize([rank(device=0), rank(device=0)], ctx)["oversubscribed"] == "ranks share GPU(s) 0"
+    rows = [rank(device=0), rank(device=0, node=1), rank(device=1, node=1), rank(device=1, node=1)]
+    assert summarize(rows, ctx)["oversubscribed"] == "ranks share GPU(s) 1 on node 1"
+    assert summarize([rank(device=0), rank(device=0, node=1)], ctx)["oversubscribed"] == ""
+    assert summarize([rank(device=0), rank(device=1)], ctx)["oversubscribed"] == ""
 
 
 def test_too_little_work_fix_keeps_the_global_batch():

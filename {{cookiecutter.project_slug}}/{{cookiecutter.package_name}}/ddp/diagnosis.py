@@ -19,6 +19,7 @@ FIELDS = (
     "data_contention_s",
     "busy_contention_s",
     "gc_s",
+    "node_rank",  # which machine (ranks on two nodes may both use their cuda:0)
     "device_index",  # -1 on the CPU
     "peak_mem_bytes",
 )
@@ -103,6 +104,7 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
                 "data_contention_ms": data_contention_ms,
                 "busy_contention_ms": busy_contention_ms,
                 "gc_ms": 1000 * r.get("gc_s", 0.0) / timed,
+                "node_rank": int(r.get("node_rank", 0)),
                 "device_index": int(r.get("device_index", -1)),
                 "peak_mem_mb": r["peak_mem_bytes"] / 2**20,
             }
@@ -148,10 +150,10 @@ def oversubscription(context: dict, ranks: list[dict]) -> str:
         if cores and busy > cores:
             extra = f" + {workers} loader worker(s)" if workers else ""
             return f"{len(ranks)} rank(s) x ({threads} thread(s){extra}) > {cores} CPU core(s)"
-    indices = [r["device_index"] for r in ranks if r.get("device_index", -1) >= 0]
-    shared = sorted({i for i in indices if indices.count(i) > 1})
+    devices = [(r.get("node_rank", 0), r["device_index"]) for r in ranks if r.get("device_index", -1) >= 0]
+    shared = sorted({d for d in devices if devices.count(d) > 1})
     if shared:
-        return f"ranks share GPU(s) {', '.join(map(str, shared))}"
+        return "ranks share GPU(s) " + ", ".join(f"{i} on node {node}" if node else str(i) for node, i in shared)
     return ""
 
 

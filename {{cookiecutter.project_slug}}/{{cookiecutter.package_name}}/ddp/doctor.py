@@ -56,8 +56,8 @@ class _Totals:
         self.timed_steps = self.data_s = self.busy_s = self.comm_s = self.step_s = 0.0
         self.contention_s = self.data_contention_s = self.busy_contention_s = self.gc_s = 0.0
 
-    def row(self, device_index: float, peak_mem_bytes: float) -> list[float]:
-        return [getattr(self, name) for name in FIELDS[:-2]] + [device_index, peak_mem_bytes]
+    def row(self, node_rank: float, device_index: float, peak_mem_bytes: float) -> list[float]:
+        return [getattr(self, name) for name in FIELDS[:-3]] + [node_rank, device_index, peak_mem_bytes]
 
 
 class _RunQueue:
@@ -278,7 +278,8 @@ class ScalingDoctor(L.Callback):
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, totals: _Totals) -> dict:
         """Gather every rank's numbers (all ranks must call this), print and log them on rank 0."""
         index = float(self._device.index if self._device.index is not None else -1)
-        row = torch.tensor(totals.row(index, self._peak_memory()), dtype=torch.float64, device=self._device)
+        row = totals.row(float(trainer.node_rank), index, self._peak_memory())
+        row = torch.tensor(row, dtype=torch.float64, device=self._device)
         rows = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).tolist()
         s = summarize(rows, self._context(trainer, pl_module))
         s["findings"] = diagnose(s, self.thresholds)
