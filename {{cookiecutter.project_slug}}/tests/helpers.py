@@ -1,12 +1,17 @@
 """Run `main.py` in a subprocess with a hard timeout, as the tests and users' own checks do."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
+
+from {{ cookiecutter.package_name }}.ddp.parity import load_weights
 
 PROJECT = Path(__file__).resolve().parents[1]
 MAIN = PROJECT / "main.py"
@@ -61,3 +66,27 @@ def concurrently(job: Callable, names: Iterable[str]) -> dict:
     names = list(names)
     with ThreadPoolExecutor(len(names)) as pool:
         return dict(zip(names, pool.map(job, names), strict=True))
+
+
+# torch.compile on CPU writes C++ and builds it with the system's compiler (CXX, else g++ / c++ / clang++).
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c),
+    reason="torch.compile on CPU needs a C++ compiler (set CXX or install g++)",
+)
+
+
+def fit_eager_and_compiled(root: Path, *args: str, timeout: float = 600) -> tuple[dict, dict]:
+    """`main.py fit *args` twice at once on 1 CPU process in float64, as written and with `--model.compile
+    true` (a module that takes a `compile` argument, like the examples); the weights of each run's last
+    checkpoint. The compiled run's first steps wait for torch.compile (tens of seconds on CPU)."""
+    common = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "64-true")
+    common += ("--trainer.enable_progress_bar", "false", "--doctor.enabled", "false")
+
+    def fit(name: str) -> dict:
+        compiled = ("--model.compile", "true") if name == "compiled" else ()
+        out = ("--trainer.default_root_dir", str(root / name))
+        run_ok("fit", *args, *common, *compiled, *out, cwd=root, timeout=timeout)
+        return load_weights(root / name / "lightning_logs/version_0/checkpoints/last.ckpt")
+
+    runs = concurrently(fit, ("eager", "compiled"))
+    return runs["eager"], runs["compiled"]
