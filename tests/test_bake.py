@@ -57,6 +57,7 @@ COMMON = {
     "tests/conftest.py",
     "tests/configured.py",
     "tests/doctor_cases.py",
+    "tests/allreduce_alone.py",
     "tests/doctor_overhead.py",
     "tests/fake_cluster.py",
     "tests/fake_cuda.py",

@@ -51,7 +51,8 @@ def components(s: dict) -> dict[str, float]:
     """A run's step (ms) split into the parts of PARTS, along the critical path of a synchronous step.
 
     All ranks leave the all-reduce together, so the step is the last rank's: its own work (data wait +
-    compute), its all-reduce (pure transfer: it waits for nobody), its other time. Data wait and compute are
+    compute), its all-reduce (the transfer: it waits least, though where ranks take turns at being
+    last its average also holds the steps it waited), its other time. Data wait and compute are
     those of a typical rank (the lower median by own work), so that one slow rank does not inflate them;
     the last rank's extra work over the typical rank's is the straggler part. Waiting for a CPU is taken
     out of the part it fell in (the typical rank's data and busy time, the last rank's other time). The
