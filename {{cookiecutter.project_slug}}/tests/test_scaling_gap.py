@@ -75,11 +75,14 @@ CAUSES = {
 # cannot know and the doctor cannot see. The bounds leave room above the worst run seen.
 TOLERANCE = {4: 0.35, 8: 1.0}
 # How far a part of the doctor's step may be from the same work timed alone (ms, given the time alone).
-# Measured over 5 runs of the cases on the idle 2-core host: the all-reduce of 32 MB took 41-55 ms in the
-# step and 40-48 ms alone (32-37 ms as a bare all_reduce, without the hook's division and callback), of
-# 0.25 MB 1.8-2.8 ms and 0.7-3.0 ms; the data wait was within 0.4 ms of the loader alone (0.5-122 ms).
+# Measured over 6 runs of the cases on the 2-core host (5 idle, 1 in CI): the all-reduce of 32 MB took 41-55
+# ms in the step and 37-48 ms alone (32-37 ms as a bare all_reduce, without the hook's division and
+# callback), at most 15.7 ms (43%) more in the step; of 0.25 MB 1.8-2.8 ms and 0.7-3.0 ms. The comm bound
+# was 35% + 2.5 ms until that CI run exceeded it by 0.3 ms; it is now 50% + 2.5 ms, still far below what a
+# wrong part would add (a straggler's 60 ms of waiting; compute counted as comm: 100+ ms at 32 MB). The
+# data wait was within 0.4 ms of the loader alone (0.5-122 ms).
 TOLERANCE_ALONE = {
-    "comm": lambda alone: 0.35 * alone + 2.5,
+    "comm": lambda alone: 0.5 * alone + 2.5,
     "data": lambda alone: 0.05 * alone + 1.0,
 }
 # `python main.py` pinned to one core; main.py's folder first on sys.path as `python main.py` puts it (not
