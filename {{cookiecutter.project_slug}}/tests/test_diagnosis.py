@@ -17,12 +17,14 @@ def rank(
     wait_ms=0.0,
     data_wait_ms=0.0,
     busy_wait_ms=0.0,
+    comm_wait_ms=0.0,
     node=0,
     device=-1,
 ) -> list[float]:
     """One rank's gathered row (FIELDS) for `steps` timed steps of the given per-step times (wait: for a CPU)."""
     per = {"data_s": data_ms, "busy_s": busy_ms, "comm_s": comm_ms, "step_s": step_ms, "contention_s": wait_ms}
     per.update({"data_contention_s": data_wait_ms, "busy_contention_s": busy_wait_ms, "gc_s": 0.0})
+    per["comm_contention_s"] = comm_wait_ms
     row = {"steps": steps, "wall_s": steps * step_ms / 1000, "samples": steps * batch, "timed_steps": steps}
     row.update({k: steps * v / 1000 for k, v in per.items()})
     row["node_rank"], row["device_index"], row["peak_mem_bytes"] = node, device, peak_mb * 2**20
@@ -137,8 +139,8 @@ def test_overlapping_all_reduces_count_once():
 
 
 # ---- the gap between N devices and 1 (ddp/gap.py) --------------------------------------------------------
-def run(*rows: list[float]) -> dict:
-    s = summarize(list(rows), {"device": "cpu", "cpu_threads_per_rank": 1, "cpu_cores_visible": 8})
+def run(*rows: list[float], **context) -> dict:
+    s = summarize(list(rows), {"device": "cpu", "cpu_threads_per_rank": 1, "cpu_cores_visible": 8, **context})
     s["verdict"] = "healthy"
     return s
 
@@ -178,6 +180,35 @@ def test_gap_takes_the_wait_for_a_cpu_out_of_the_part_it_fell_in():
     e = explain(one_device(), run(two, two))
     assert e["parts_ms"]["compute"] == pytest.approx(0) and e["parts_ms"]["contention"] == pytest.approx(20)
     assert e["verdict"] == "host-contention" and e["unexplained_ms"] == pytest.approx(0, abs=1e-9)
+
+
+def test_gap_takes_the_all_reduce_threads_wait_out_of_comm():
+    """Of a 30 ms all-reduce, gloo's threads waited 20 ms for a CPU: the comm part is the 10 ms transfer, the
+    20 ms are host contention, named as gloo's, and the parts still add up."""
+    two = rank(step_ms=4 + 40 + 30 + 4, data_ms=4, busy_ms=40 + 30, comm_ms=30, comm_wait_ms=20)
+    e = explain(one_device(), run(two, two))
+    assert e["parts_ms"]["comm"] == pytest.approx(10) and e["parts_ms"]["contention"] == pytest.approx(20)
+    assert e["unexplained_ms"] == pytest.approx(0, abs=1e-9)
+    assert e["verdict"] == "host-contention" and "gloo" in e["fix"]
+
+
+def test_gap_counts_waiting_for_the_step_s_last_rank_as_straggler():
+    """Both ranks average 12 ms in the all-reduce, but each step's least was 4 ms (the ranks took turns at
+    arriving last): the comm part is the 4 ms transfer, the other 8 ms are waiting for the slower rank of
+    each step, and the parts still add up; comm's share of the step is the transfer's."""
+    two = rank(step_ms=4 + 40 + 12 + 4, data_ms=4, busy_ms=40 + 12, comm_ms=12)
+    s = run(two, two, comm_step_min_ms=4.0)
+    e = explain(one_device(), s)
+    assert e["parts_ms"]["comm"] == pytest.approx(4) and e["parts_ms"]["straggler"] == pytest.approx(8)
+    assert e["unexplained_ms"] == pytest.approx(0, abs=1e-9) and s["comm_pct"] == pytest.approx(100 * 4 / 60)
+
+
+def test_all_reduce_waiting_for_a_cpu_is_not_communication_bound():
+    """A 20 ms all-reduce of a 50 ms step (40%) of which 15 ms its threads waited for a CPU: comm is 10% of
+    the step, the wait counts as the rank's cpu wait (host contention, 30%)."""
+    s = summarize([rank(comm_ms=20, comm_wait_ms=15)] * 2, {"num_workers": 0, "pin_memory": False})
+    assert s["comm_pct"] == pytest.approx(10) and s["contention_pct"] == pytest.approx(30)
+    assert [f["cause"] for f in diagnose(s, Thresholds())] == ["host-contention"]
 
 
 def test_low_efficiency_is_never_healthy():

@@ -19,6 +19,7 @@ FIELDS = (
     "data_contention_s",
     "busy_contention_s",
     "gc_s",
+    "comm_contention_s",  # run-queue wait of the other threads (gloo's on CPUs) while an all-reduce was in flight
     "node_rank",  # which machine (ranks on two nodes may both use their cuda:0)
     "device_index",  # -1 on the CPU
     "peak_mem_bytes",
@@ -39,11 +40,13 @@ class Thresholds:
         data_wait_share: Flag data-bound when the ranks wait this share of each step for the next batch
             (not counting the part of that wait in which the loading thread itself waited for a CPU, and
             of the step without the wait for a CPU).
-        comm_share: Flag communication-bound when the all-reduce takes this share of the step on the rank
-            that waits least for it (the last to arrive sees the transfer, not the others' lateness).
+        comm_share: Flag communication-bound when the all-reduce takes this share of the step: each step's
+            least time of any rank in it (the last to arrive sees the transfer, not the others' lateness),
+            without its threads' wait for a CPU.
         memory_imbalance: Flag when the largest per-rank peak memory is this many times the smallest.
-        contention_share: Flag host contention when the training threads wait this share of each step
-            for a CPU (ready to run, but every core busy: other processes, ranks x threads > cores).
+        contention_share: Flag host contention when the training threads and the all-reduce's threads wait
+            this share of each step for a CPU (ready to run, but every core busy: other processes, ranks x
+            threads > cores, or on CPUs gloo's threads with no core of their own).
     """
 
     min_step_ms: float = 10.0
@@ -69,6 +72,11 @@ def own_work(rank: dict) -> float:
     return rank.get("own_work_ms", rank["work_ms"])
 
 
+def exposed_comm(rank: dict) -> float:
+    """A rank's all-reduce time without the time its threads waited for a CPU (ms)."""
+    return rank["comm_ms"] - rank.get("comm_contention_ms", 0.0)
+
+
 def own_step(rank: dict) -> float:
     """A rank's step without the time its training thread waited for a CPU (ms)."""
     return rank["step_ms"] - rank["contention_ms"]
@@ -84,6 +92,7 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         data_ms, busy_ms, comm_ms = (1000 * r[k] / timed for k in ("data_s", "busy_s", "comm_s"))
         waits = (1000 * r.get(k, 0.0) / timed for k in ("contention_s", "data_contention_s", "busy_contention_s"))
         contention_ms, data_contention_ms, busy_contention_ms = waits
+        comm_contention_ms = 1000 * r.get("comm_contention_s", 0.0) / timed
         ranks.append(
             {
                 "rank": rank,
@@ -92,17 +101,19 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
                 "step_ms": step_ms,
                 "data_ms": data_ms,
                 "compute_ms": busy_ms - comm_ms,
-                "comm_ms": comm_ms,
+                "comm_ms": comm_ms,  # the span the all-reduce was in flight, its threads' wait for a CPU included
                 "other_ms": step_ms - data_ms - busy_ms,
                 "work_ms": data_ms + busy_ms - comm_ms,  # the rank's own work; comm includes waiting for others
                 # Without its waits for a CPU, which are the host's (host-contention), not a slower rank: the
                 # straggler verdict reads this (a loaded host once made a rank of the sleeping-loader case a
                 # "straggler" in CI); the gap (ddp/gap.py) takes the waits out part by part itself.
                 "own_work_ms": data_ms + busy_ms - comm_ms - data_contention_ms - busy_contention_ms,
-                # Run-queue waits: the training thread was ready but had no CPU (in the step / data / busy part).
-                "contention_ms": contention_ms,
+                # Run-queue waits: the training thread was ready but had no CPU (in the step / data / busy part),
+                # and the all-reduce's threads while it was in flight; "contention_ms" holds both.
+                "contention_ms": contention_ms + comm_contention_ms,
                 "data_contention_ms": data_contention_ms,
                 "busy_contention_ms": busy_contention_ms,
+                "comm_contention_ms": comm_contention_ms,
                 "gc_ms": 1000 * r.get("gc_s", 0.0) / timed,
                 "node_rank": int(r.get("node_rank", 0)),
                 "device_index": int(r.get("device_index", -1)),
@@ -111,6 +122,11 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         )
     step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
     own = sum(own_step(r) for r in ranks)  # summed over ranks
+    # The all-reduce itself: the least-waiting rank's, or less where each step's own least is known (the
+    # ranks take turns at arriving last; what the last rank of one step waited on another is jitter).
+    transfer = min(exposed_comm(r) for r in ranks)
+    if context.get("comm_step_min_ms") is not None:
+        transfer = min(transfer, context["comm_step_min_ms"])
     total = sum(r["samples_per_s"] for r in ranks)
     work = [own_work(r) for r in ranks]
     mem = [r["peak_mem_mb"] for r in ranks]
@@ -127,9 +143,9 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
         # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
         "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / own if own else 0.0,
         "contention_pct": 100 * sum(r["contention_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        # Of the whole step: the all-reduce's own threads wait for a CPU too, unseen, and the training thread's
-        # wait overlaps the all-reduce, so the step without that wait can be shorter than the all-reduce.
-        "comm_pct": 100 * min(r["comm_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks),
+        # The all-reduce without its threads' wait for a CPU (that is host-contention), of the whole step.
+        "comm_transfer_ms": transfer,
+        "comm_pct": 100 * transfer / step_ms if step_ms else 0.0,
         # The straggler's lead as a share of the step without the wait for a CPU: a loaded host stretches
         # the step, not the lead.
         "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
@@ -209,7 +225,7 @@ def diagnose(s: dict, t: Thresholds) -> list[dict]:
             }
         )
     if s["comm_pct"] >= 100 * t.comm_share:
-        comm_ms = min(r["comm_ms"] for r in ranks)
+        comm_ms = s.get("comm_transfer_ms", min(exposed_comm(r) for r in ranks))
         found.append(
             {
                 "cause": "communication-bound",
@@ -232,10 +248,23 @@ COMM_FIX = (
 )
 
 
+def contention_cause(s: dict) -> str:
+    """Why the threads waited for a CPU, as far as the run's own numbers tell."""
+    if s.get("oversubscribed"):
+        return s["oversubscribed"]
+    ranks = s["ranks"]
+    comm_wait = sum(r.get("comm_contention_ms", 0.0) for r in ranks)
+    if comm_wait >= 0.5 * sum(r["contention_ms"] for r in ranks) > 0:
+        # Measured: 2 ranks x 1 thread on 2 cores, idle host: gloo waited ~2 ms of each 3 ms all-reduce.
+        return "mostly gloo's all-reduce threads, with every core taken by the ranks or other processes"
+    return "other processes on the host"
+
+
 def contention_fix(s: dict) -> str:
-    why = s.get("oversubscribed") or "other processes on the host"
+    why = contention_cause(s)
     return (
-        f"the training threads waited {s.get('contention_pct', 0.0):.0f}% of each step for a CPU ({why}) → "
+        f"the training and all-reduce threads waited {s.get('contention_pct', 0.0):.0f}% of each step for a CPU "
+        f"({why}) → "
         "fewer torch threads per rank (OMP_NUM_THREADS) or loader workers so that ranks x (threads + workers) "
         "fit the cores, fewer ranks per host, or no other jobs on these cores; every other number here is "
         "inflated by this wait"

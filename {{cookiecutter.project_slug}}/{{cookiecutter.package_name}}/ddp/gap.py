@@ -17,6 +17,8 @@ differ in length).
 
 from statistics import NormalDist
 
+from .diagnosis import COMM_FIX, contention_cause, exposed_comm
+
 # A sweep point below this efficiency (speed-up / ideal speed-up) is never called healthy: its verdict
 # names the largest part of its gap. 0.8: the share a well-fed data-parallel job on a fast interconnect
 # keeps; below it, a fifth of the hardware is lost and one cause usually dominates.
@@ -51,25 +53,32 @@ def components(s: dict) -> dict[str, float]:
     """A run's step (ms) split into the parts of PARTS, along the critical path of a synchronous step.
 
     All ranks leave the all-reduce together, so the step is the last rank's: its own work (data wait +
-    compute), its all-reduce (the transfer: it waits least, though where ranks take turns at being
-    last its average also holds the steps it waited), its other time. Data wait and compute are
-    those of a typical rank (the lower median by own work), so that one slow rank does not inflate them;
-    the last rank's extra work over the typical rank's is the straggler part. Waiting for a CPU is taken
-    out of the part it fell in (the typical rank's data and busy time, the last rank's other time). The
-    parts add up to the last rank's timed step.
+    compute), its all-reduce, its other time. Data wait and compute are those of a typical rank (the
+    lower median by own work), so that one slow rank does not inflate them; the last rank's extra work
+    over the typical rank's is the straggler part, and so is what it waited in the all-reduce beyond
+    the transfer (each step's least all-reduce of any rank: ranks take turns at arriving last, and the
+    last rank on average still waited on the steps it was not). Waiting for a CPU is taken
+    out of the part it fell in (the typical rank's data and busy time, the last rank's all-reduce, whose
+    gloo threads wait on CPUs, and its other time). The parts add up to the last rank's timed step.
     """
     ranks = s["ranks"]
-    last = min(ranks, key=lambda r: r["comm_ms"])  # the last to arrive waits least in the all-reduce
+    last = min(ranks, key=exposed_comm)  # the last to arrive waits least (for others) in the all-reduce
     typical = sorted(ranks, key=lambda r: r["work_ms"])[(len(ranks) - 1) // 2]
+    # Of its all-reduce, the transfer is each step's least; the rest it waited on steps it was not last.
+    transfer = min(exposed_comm(last), s.get("comm_transfer_ms", float("inf")))
+    comm_wait = last.get("comm_contention_ms", 0.0)
     other_wait = last.get("contention_ms", 0.0) - last.get("data_contention_ms", 0.0)
-    other_wait -= last.get("busy_contention_ms", 0.0)
+    other_wait -= last.get("busy_contention_ms", 0.0) + comm_wait
     return {
         "compute": typical["compute_ms"] - typical.get("busy_contention_ms", 0.0),
-        "comm": last["comm_ms"],
+        "comm": transfer,
         "data": typical["data_ms"] - typical.get("data_contention_ms", 0.0),
-        "straggler": last["work_ms"] - typical["work_ms"],
+        "straggler": last["work_ms"] - typical["work_ms"] + exposed_comm(last) - transfer,
         "other": last["other_ms"] - other_wait,
-        "contention": typical.get("data_contention_ms", 0.0) + typical.get("busy_contention_ms", 0.0) + other_wait,
+        "contention": typical.get("data_contention_ms", 0.0)
+        + typical.get("busy_contention_ms", 0.0)
+        + comm_wait
+        + other_wait,
     }
 
 
@@ -121,8 +130,6 @@ def fix(part: str, ms: float, run: dict) -> str:
             "or cheaper fixed costs (torch.compile, fused optimizer)"
         )
     if part == "comm":
-        from .diagnosis import COMM_FIX
-
         return f"the gradient all-reduce ({run.get('grad_mb', 0):.1f} MB) added {added} → {COMM_FIX}"
     if part == "data":
         return (
@@ -142,10 +149,10 @@ def fix(part: str, ms: float, run: dict) -> str:
             "collectives) → log less often (--trainer.log_every_n_steps), no progress bar in batch jobs, "
             "no sync_dist on every step"
         )
-    why = run.get("oversubscribed") or "other processes on the host"
     return (
-        f"the training threads waited {added} for a CPU ({why}) → ranks x (threads + loader workers) within "
-        "the cores (OMP_NUM_THREADS, fewer ranks per host), one rank per GPU, no other jobs on these cores"
+        f"the training and all-reduce threads waited {added} for a CPU ({contention_cause(run)}) → ranks x "
+        "(threads + loader workers) within the cores, with one spare for the all-reduce on CPUs "
+        "(OMP_NUM_THREADS, fewer ranks per host), one rank per GPU, no other jobs on these cores"
     )
 
 
