@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MAIN, PROJECT, finish, kill, start
+from alone import TOLERANCE as ALONE
+from alone import allreduce_ms, waited_s
+from helpers import MAIN, PROJECT, kill
 from sleepy import SleepyData
 
 from {{ cookiecutter.package_name }}.ddp.gap import (
@@ -72,19 +74,10 @@ CAUSES = {
 # optimistic at 8 in every run: 8 ranks on 2 loaded cores all do
 # their step's CPU work (optimizer, DDP's bucket copies, the all-reduce's hops) at the same moment, and the
 # hops of the ring wait for a CPU in gloo's own threads, which the ring model (latency measured at 2 ranks)
-# cannot know and the doctor cannot see. The bounds leave room above the worst run seen.
+# cannot know. Since the doctor takes that wait out of the all-reduce (and out of the measured speed-up it
+# is compared with): 4 devices -5 to +4%, 8 devices +10 to +20% (3 idle runs, 1 beside two CPU hogs). The
+# bounds, set before, leave room above the worst run seen.
 TOLERANCE = {4: 0.35, 8: 1.0}
-# How far a part of the doctor's step may be from the same work timed alone (ms, given the time alone).
-# Measured over 6 runs of the cases on the 2-core host (5 idle, 1 in CI): the all-reduce of 32 MB took 41-55
-# ms in the step and 37-48 ms alone (32-37 ms as a bare all_reduce, without the hook's division and
-# callback), at most 15.7 ms (43%) more in the step; of 0.25 MB 1.8-2.8 ms and 0.7-3.0 ms. The comm bound
-# was 35% + 2.5 ms until that CI run exceeded it by 0.3 ms; it is now 50% + 2.5 ms, still far below what a
-# wrong part would add (a straggler's 60 ms of waiting; compute counted as comm: 100+ ms at 32 MB). The
-# data wait was within 0.4 ms of the loader alone (0.5-122 ms).
-TOLERANCE_ALONE = {
-    "comm": lambda alone: 0.5 * alone + 2.5,
-    "data": lambda alone: 0.05 * alone + 1.0,
-}
 # `python main.py` pinned to one core; main.py's folder first on sys.path as `python main.py` puts it (not
 # the case folder that `-c` puts there: the package would then come from wherever pip installed it).
 PIN = "import os, runpy, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); sys.argv = sys.argv[1:]; "
@@ -138,12 +131,27 @@ def gap(runs: dict, base: str, run: str) -> dict:
     return e
 
 
+def comm_wait_ms(run: dict) -> float:
+    """The ranks' mean wait for a CPU in their all-reduce's threads (ms per step)."""
+    return sum(r.get("comm_contention_ms", 0.0) for r in run["ranks"]) / len(run["ranks"])
+
+
 @pytest.mark.parametrize("cause", CAUSES)
 def test_injected_cause_is_the_largest_part_of_the_gap(runs, cause):
-    """Each cause, injected alone, is the largest part of the gap and the verdict names it."""
+    """Each cause, injected alone, is the largest part of the gap and the verdict names it. A large gradient
+    on 2 cores costs its transfer and its gloo threads' wait for a CPU (in cpu wait; idle host: transfer
+    22-29 ms, wait 18-19 ms; beside two CPU hogs 28 and 32 ms): one of the two is the largest part, the
+    transfer outweighs every other part, and most of the added wait is the all-reduce threads'."""
     base, run, part = CAUSES[cause]
     e = gap(runs, base, run)
-    assert e["largest"] == part and e["efficiency"] < EFFICIENCY_LINE and e["verdict"] != "healthy"
+    assert e["efficiency"] < EFFICIENCY_LINE and e["verdict"] != "healthy"
+    if cause != "large gradient" or e["largest"] == part:
+        assert e["largest"] == part
+    else:
+        parts = e["parts_ms"]
+        assert e["largest"] == "contention" and parts["comm"] == max(v for k, v in parts.items() if k != "contention")
+        n0, n = runs[base]["world_size"], runs[run]["world_size"]
+        assert comm_wait_ms(runs[run]) - comm_wait_ms(runs[base]) * n0 / n >= 0.5 * parts["contention"]
 
 
 @pytest.mark.parametrize("pair", [*[c[:2] for c in CAUSES.values()], ("clean-1", "clean-2"), ("clean-1", "clean-8")])
@@ -182,25 +190,16 @@ def test_explain_command(runs, tmp_path):
 
 
 # ---- each part against an independent measurement ---------------------------------------------------------
-def allreduce_alone(sizes_mb: list[float]) -> dict[float, float]:
-    """Median ms of a gloo all-reduce of each size on 2 processes, outside any training (allreduce_alone.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(TESTS / "allreduce_alone.py"), *map(str, sizes_mb)]
-    result = finish(start(cmd, TESTS, {"OMP_NUM_THREADS": "1"}), timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:]
-    return {float(mb): ms for mb, ms in json.loads(result.stdout.strip().splitlines()[-1]).items()}
-
-
 def test_comm_part_matches_the_allreduce_alone(runs):
     """The all-reduce time in the step, for a 32 MB and a 0.25 MB gradient, is that all-reduce timed alone
-    (the same size, 2 gloo processes, no training), within TOLERANCE_ALONE; with a straggler too (the last
+    (the same size, 2 gloo processes, no training), within alone.TOLERANCE; with a straggler too (the last
     rank's all-reduce holds no waiting)."""
     names = ("grad-2", "clean-2", "straggler-2")
-    alone = allreduce_alone(sorted({runs[name]["grad_mb"] for name in names}))
+    alone = allreduce_ms(sorted({runs[name]["grad_mb"] for name in names}))
     for name in names:
         mb, in_step = runs[name]["grad_mb"], components(runs[name])["comm"]  # as the gap counts it
         print(f"{name}, {mb:g} MB: in the step {in_step:.2f} ms, alone {alone[mb]:.2f} ms")
-        assert abs(in_step - alone[mb]) <= TOLERANCE_ALONE["comm"](alone[mb])
+        assert abs(in_step - alone[mb]) <= ALONE["comm"](alone[mb])
 
 
 def loader_alone_ms(batch_delay_ms: float, batches: int = 5) -> float:
@@ -209,19 +208,19 @@ def loader_alone_ms(batch_delay_ms: float, batches: int = 5) -> float:
     data.setup("fit")
     loader = iter(data.train_dataloader())
     next(loader)
-    start_s = time.perf_counter()
+    start_s, waited = time.perf_counter(), waited_s()
     for _ in range(batches):
         next(loader)
-    return 1000 * (time.perf_counter() - start_s) / batches
+    return 1000 * (time.perf_counter() - start_s - (waited_s() - waited)) / batches
 
 
 def test_data_part_matches_the_loader_alone(runs):
     """The data part of the slow-data runs (its wait for a CPU taken out) is the loader's time per batch
-    iterated alone, without training, within TOLERANCE_ALONE; the clean runs' is that of their loader."""
+    iterated alone, without training, within alone.TOLERANCE; the clean runs' is that of their loader."""
     alone_ms = {delay: loader_alone_ms(delay) for delay in (120, 0)}
     for name, delay in (("data-1", 120), ("data-2", 120), ("clean-2", 0)):
         alone = alone_ms[delay]
         for rank in runs[name]["ranks"]:
             in_step = rank["data_ms"] - rank.get("data_contention_ms", 0.0)
             print(f"{name} rank {rank['rank']}: data in the step {in_step:.2f} ms, loader alone {alone:.2f} ms")
-            assert abs(in_step - alone) <= TOLERANCE_ALONE["data"](alone)
+            assert abs(in_step - alone) <= ALONE["data"](alone)

@@ -266,8 +266,8 @@ def contention_fix(s: dict) -> str:
         f"the training and all-reduce threads waited {s.get('contention_pct', 0.0):.0f}% of each step for a CPU "
         f"({why}) → "
         "fewer torch threads per rank (OMP_NUM_THREADS) or loader workers so that ranks x (threads + workers) "
-        "fit the cores, fewer ranks per host, or no other jobs on these cores; every other number here is "
-        "inflated by this wait"
+        "fit the cores (on CPUs with one to spare for the all-reduce), fewer ranks per host, or no other jobs "
+        "on these cores; every other number here is inflated by this wait"
     )
 
 
@@ -289,9 +289,12 @@ def format_report(s: dict) -> str:
             f"{r['compute_ms']:>10.2f} | {r['comm_ms']:>7.2f} | {r['other_ms']:>8.2f} | "
             f"{r['contention_ms']:>11.2f} | {r['gc_ms']:>5.2f} | {r['peak_mem_mb']:>7.0f}"
         )
+    # The comm column is the all-reduce's span; its share is of the transfer alone (no wait for a CPU, or for
+    # a rank that came later on that step).
+    transfer = f" ({s.get('comm_transfer_ms', 0.0):.1f} ms transfer)" if s.get("comm_measured") else ""
     lines.append(
         f"data wait {s['data_wait_pct']:.0f}% (loader {s.get('loader_wait_pct', 0):.0f}%) | "
-        f"waiting for a CPU {s.get('contention_pct', 0):.0f}% | comm {s['comm_pct']:.0f}% | straggler spread "
+        f"waiting for a CPU {s.get('contention_pct', 0):.0f}% | comm {s['comm_pct']:.0f}%{transfer} | straggler spread "
         f"{s['straggler_spread']:.2f}x (fastest rank waits {s['straggler_wait_pct']:.0f}%) | "
         f"memory imbalance {s['memory_imbalance']:.2f}x"
     )
