@@ -15,13 +15,15 @@ How to read the decomposition. The ideal step on N devices is the fewest-device 
 / N. The gap (measured step - ideal, ms per step) is split into parts that add up to it, each the part's
 time at N minus its ideal share of the base run's:
   compute     compute that did not shrink with the per-device batch (fixed per-step costs)
-  comm        the gradient all-reduce as the rank that waits least in it sees it (the transfer, and the
-              waits of steps on which another rank arrived later)
+  comm        the gradient all-reduce itself: each step's least all-reduce time of any rank (the last to
+              arrive waits for nobody), without its threads' wait for a CPU
   data        waiting for the loader, without the loader thread's own wait for a CPU
-  straggler   the last rank's extra work over a typical rank's: what the others wait for
+  straggler   the last rank's extra work over a typical rank's: what the others wait for; and what it
+              waited in the all-reduce on steps where another rank came later (ranks take turns: jitter)
   other       framework time (the loop, loggers, hooks, per-step collectives)
   cpu wait    time the training threads were ready but had no CPU: other processes, or ranks x threads
-              beyond the cores ("oversubscribed" says which); it inflates no other part
+              beyond the cores ("oversubscribed" says which); on CPUs also gloo's all-reduce threads,
+              which 2 ranks x 1 thread on 2 cores leave without a core; it inflates no other part
   unexplained the measured gap minus the parts (timed steps against the throughput)
 A point whose efficiency is below 0.8 is never "healthy": its verdict is the largest part, with a fix
 that keeps the global batch.
@@ -126,7 +128,7 @@ def predictions(summaries: list[dict], devices: list[int]) -> list[dict]:
         return []
     out = []
     waits = [by_n[n].get("contention_pct", 0.0) for n in (1, 2)]
-    # The all-reduce's own threads wait for a CPU too, unmeasured: then the 2-device comm is inflated.
+    # Fitted through runs that waited for a CPU, the parts hold less than they would on free cores.
     caveat = (
         f"note: the 1- and 2-device runs waited {waits[0]:.0f}% and {waits[1]:.0f}% of their steps for a CPU: "
         "the prediction assumes a CPU for every rank, so it is unreliable here"
