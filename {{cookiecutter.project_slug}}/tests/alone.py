@@ -14,9 +14,9 @@ THREADS = {"OMP_NUM_THREADS": "1"}  # as scaling.py gives 2 ranks on 2 cores
 # Both sides leave out the time threads waited for a CPU: that is host contention (on 2 ranks on 2 cores
 # gloo's threads waited ~14 of the ~37 ms of a 32 MB all-reduce alone, ~2 of the ~3 ms of the digits
 # example's 0.1 MB in the step). Measured on the 2-core host, in-step minus alone, over 6 runs of the
-# digits example (4 idle, 2 beside two CPU hogs) and 4 of the sleeping model's cases (3 idle, 1 with hogs):
-# comm 0.1 MB +0.13 to +0.67 ms (alone 0.33-0.75), 0.25 MB -0.30 to +1.09 (alone 0.61-0.88; +1.09 on the
-# straggler case once, +0.27 at most otherwise), 32 MB -2.6 to +0.4 (idle, alone 26.6-26.7) and -10.2 ms
+# digits example (4 idle, 2 beside two CPU hogs) and 5 of the sleeping model's cases (4 idle, 1 with hogs):
+# comm 0.1 MB +0.13 to +0.67 ms (alone 0.33-0.75), 0.25 MB -0.36 to +1.09 (alone 0.61-1.17; +1.09 on the
+# straggler case once, +0.27 at most otherwise), 32 MB -2.6 to +1.4 (idle, alone 22.6-30.4) and -10.2 ms
 # (hogs: alone 41.6, -24%); data +0.27 to +0.83 ms on loaders of 0.3-0.8 ms (Lightning's fetch around the
 # loader's own time), within 1.5 ms at 120 ms. The bounds leave room above the worst of these and still
 # catch what the comm part held before it left out the threads' wait and the ranks' turns at being last
