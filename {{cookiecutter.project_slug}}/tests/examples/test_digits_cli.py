@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import PROJECT, concurrently, fit_eager_and_compiled, needs_compiler, run_main, run_ok
 
-from {{ cookiecutter.package_name }}.ddp.parity import report, weight_diffs
-from {{ cookiecutter.package_name }}.ddp.schedules import WarmupCosine
+from ddpkit.parity import report, weight_diffs
+from ddpkit.schedules import WarmupCosine
 
 DIGITS = ("--config", str(PROJECT / "tests/examples/digits.yaml"))
 

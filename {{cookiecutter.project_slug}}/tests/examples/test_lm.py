@@ -14,9 +14,9 @@ from helpers import PROJECT, fit_eager_and_compiled, needs_compiler, run_ok
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS
 from lightning.pytorch.loggers import CSVLogger
 
-from {{ cookiecutter.package_name }}.ddp import throughput
-from {{ cookiecutter.package_name }}.ddp.parity import read_scalars, report, weight_diffs
-from {{ cookiecutter.package_name }}.ddp.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
+from ddpkit import throughput
+from ddpkit.parity import read_scalars, report, weight_diffs
+from ddpkit.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
 from {{ cookiecutter.package_name }}.lm.data import TextDataModule, sequences_in, tokens_in
 from {{ cookiecutter.package_name }}.lm.module import VOCAB_SIZE, LanguageModel
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import PROJECT, run_ok
 
-from {{ cookiecutter.package_name }}.ddp.sharding import LayerFSDPStrategy
+from ddpkit.sharding import LayerFSDPStrategy
 from {{ cookiecutter.package_name }}.lm.gpt import Block
 
 

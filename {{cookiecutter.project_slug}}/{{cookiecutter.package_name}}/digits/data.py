@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset, random_split
 
-from ..ddp import GlobalBatchDataModule
+from ddpkit import GlobalBatchDataModule
 
 # 1,797 8x8 images of handwritten digits, pixels 0..16, one row = 64 pixels + label.
 # UCI "Optical Recognition of Handwritten Digits" (Alpaydin & Kaynak, 1998), CC BY 4.0.

@@ -13,9 +13,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..ddp.compiling import compile_layers
-from ..ddp.schedules import optimization
-from ..ddp.sharding import shard_layers
+from ddpkit import compile_layers, optimization, shard_layers
+
 from .model import MLP
 
 
@@ -32,7 +31,7 @@ class DigitsClassifier(L.LightningModule):
             1e-4. Another: --model.optimizer torch.optim.SGD --model.optimizer.lr 0.1 (arguments the two
             classes share, such as weight_decay, carry over unless given).
         scheduler: A learning-rate schedule called with the optimizer, or None for a constant lr, e.g.
-            --model.scheduler {{ cookiecutter.package_name }}.ddp.schedules.WarmupCosine
+            --model.scheduler ddpkit.schedules.WarmupCosine
             --model.scheduler.warmup_steps 32 (stepped per optimizer step).
         compile: Compile the MLP with torch.compile (the first steps then wait for the compiler).
     """

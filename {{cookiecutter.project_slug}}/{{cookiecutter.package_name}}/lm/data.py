@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from ..ddp import GlobalBatchDataModule
+from ddpkit import GlobalBatchDataModule
 
 TEXT = Path(__file__).with_name("ecclesiastes.txt")
 

@@ -14,9 +14,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from ..ddp.compiling import compile_layers
-from ..ddp.schedules import optimization
-from ..ddp.sharding import shard_layers
+from ddpkit import compile_layers, optimization, shard_layers
+
 from .gpt import GPT
 
 VOCAB_SIZE = 256  # bytes

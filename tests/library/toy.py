@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from {{ cookiecutter.package_name }}.ddp import GlobalBatchDataModule
+from ddpkit import GlobalBatchDataModule
 
 FEATURES, CLASSES = 64, 10
 

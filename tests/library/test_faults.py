@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import PROJECT, concurrently, run_ok
 
-from {{ cookiecutter.package_name }}.ddp.parity import max_abs
+from ddpkit.parity import max_abs
 
 from faults import checkpoint_ok, run_scenario
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from {{ cookiecutter.package_name }}.ddp.diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, summarize
-from {{ cookiecutter.package_name }}.ddp.gap import EFFICIENCY_LINE, PARTS, explain, predict, ring_allreduce_ms
+from ddpkit.diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, summarize
+from ddpkit.gap import EFFICIENCY_LINE, PARTS, explain, predict, ring_allreduce_ms
 
 
 def rank(

@@ -11,7 +11,7 @@ from fake_cuda import SITECUSTOMIZE as FAKE_CUDA_SITECUSTOMIZE
 from helpers import PROJECT, run_main, run_ok
 from toy import PlainToyData, ToyClassifier
 
-from {{ cookiecutter.package_name }}.ddp.cli import (
+from ddpkit.cli import (
     BadInput,
     check_checkpoint,
     check_state_dict_fits,
@@ -143,7 +143,7 @@ def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_p
     step or checkpoint, and names the keys the module does log."""
     (tmp_path / "monitor.yaml").write_text(
         "trainer:\n  callbacks:\n"
-        "    - class_path: {{ cookiecutter.package_name }}.ddp.checkpoints.CurrentModelCheckpoint\n"
+        "    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint\n"
         "      init_args:\n        monitor: val_acc\n"
     )  # merged into the list entry of toy.yaml with the same class
     cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path))
@@ -164,7 +164,7 @@ def test_plain_datamodule_runs_with_one_warning_line(tmp_path):
     )  # fmt: skip
     lines = [line for line in out.splitlines() if "is a plain LightningDataModule" in line]
     assert lines == [plain_datamodule_warning(PlainToyData())]
-    assert "subclass {{ cookiecutter.package_name }}.ddp.GlobalBatchDataModule" in lines[0]
+    assert "subclass ddpkit.GlobalBatchDataModule" in lines[0]
 
 
 def save(path, mtime, **content):

@@ -13,8 +13,8 @@ import yaml
 from helpers import PROJECT, concurrently, run_ok
 from jsonargparse import Namespace
 
-from {{ cookiecutter.package_name }}.ddp.cli import place_loggers
-from {{ cookiecutter.package_name }}.ddp.parity import read_csv_scalars, read_scalars
+from ddpkit.cli import place_loggers
+from ddpkit.parity import read_csv_scalars, read_scalars
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_doctor_reports_by_default_without_timing_the_all_reduce(fitted):
 # Builds the trainer (run=False) for three ways of naming the strategy; prints each one's collective timeout.
 TIMEOUTS = """
 from main import main
-from {{ cookiecutter.package_name }}.ddp.lightning_internals import ddp_timeout
+from ddpkit.lightning_internals import ddp_timeout
 
 cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false", "--dist_timeout", "20"]
 ddp = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"]

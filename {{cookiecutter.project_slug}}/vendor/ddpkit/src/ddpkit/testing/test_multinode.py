@@ -17,8 +17,8 @@ from fake_cluster import (
     wait_for,
 )
 
-from {{ cookiecutter.package_name }}.ddp.parity import max_abs
-from {{ cookiecutter.package_name }}.ddp.requeue import next_hpc_checkpoint
+from ddpkit.parity import max_abs
+from ddpkit.requeue import next_hpc_checkpoint
 
 # float64 and 2 epochs (32 steps, across an epoch boundary): equal weights up to float64 rounding.
 TRAIN = ["--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"]
@@ -68,7 +68,7 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(reference,
 OWN_CALLBACKS = """
 trainer:
   callbacks:
-    - class_path: {{ cookiecutter.package_name }}.ddp.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
       init_args:
         monitor: null
         save_last: true

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import TensorDataset
 from toy import ToyData
 
-from {{ cookiecutter.package_name }}.ddp.sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
+from ddpkit.sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
 DATA = TensorDataset(torch.arange(103))
 

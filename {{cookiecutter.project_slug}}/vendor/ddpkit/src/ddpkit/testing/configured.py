@@ -25,7 +25,7 @@ def _measure(args: list[str]) -> dict:
     import lightning as L
 
     sys.path.insert(0, str(PROJECT))
-    from {{ cookiecutter.package_name }}.ddp import GlobalBatchDataModule
+    from ddpkit import GlobalBatchDataModule
 
     from main import main
 

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
-from {{ cookiecutter.package_name }}.ddp import lightning_internals as internals
+from ddpkit import lightning_internals as internals
 
 VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the template was measured on 2.6.6 / 2.13.0)"
 

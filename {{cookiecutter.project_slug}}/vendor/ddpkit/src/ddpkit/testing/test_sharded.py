@@ -6,7 +6,7 @@ from fake_cluster import last_weights
 from helpers import PROJECT, run_ok
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from {{ cookiecutter.package_name }}.ddp.parity import max_abs
+from ddpkit.parity import max_abs
 
 # ModelParallelStrategy has no float64; float32 on CPU, 2 epochs.
 CPU = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"]

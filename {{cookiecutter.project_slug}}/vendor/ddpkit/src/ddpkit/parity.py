@@ -5,7 +5,7 @@ A run is a Lightning log directory (`lightning_logs/version_N`): its
 (with a CSVLogger) its `metrics.csv` the logged scalars. `tests/test_parity.py` compares runs with these functions; do
 the same with your own runs from the command line:
 
-    python -m {{ cookiecutter.package_name }}.ddp.parity one/lightning_logs/version_0 two/lightning_logs/version_0
+    python -m ddpkit.parity one/lightning_logs/version_0 two/lightning_logs/version_0
 
 Each weight tensor (and each logged tag, over its steps) gets
     max_abs = max |a - b|

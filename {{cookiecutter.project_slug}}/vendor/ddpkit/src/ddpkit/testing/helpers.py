@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.ddp.parity import load_weights
+from ddpkit.parity import load_weights
 
 PROJECT = Path(__file__).resolve().parents[1]
 MAIN = PROJECT / "main.py"

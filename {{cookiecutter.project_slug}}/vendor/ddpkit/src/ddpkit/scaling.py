@@ -45,7 +45,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from {{ cookiecutter.package_name }}.ddp.gap import PARTS, explain, format_explain, measured_without_contention, predict
+from ddpkit.gap import PARTS, explain, format_explain, measured_without_contention, predict
 
 MAIN = Path(__file__).resolve().with_name("main.py")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from runs import Run, Waves, as_cuda, fit, main_cmd, run_all
 
-from {{ cookiecutter.package_name }}.ddp.parity import (
+from ddpkit.parity import (
     diff,
     max_abs,
     read_csv_scalars,
@@ -24,7 +24,7 @@ from {{ cookiecutter.package_name }}.ddp.parity import (
     scalar_diffs,
     weight_diffs,
 )
-from {{ cookiecutter.package_name }}.ddp.parity import main as compare_main
+from ddpkit.parity import main as compare_main
 
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
 # 2 epochs. Measured on CPU with the digits example (AdamW, 32 steps), seeds 0-7: float64 at most

@@ -25,8 +25,8 @@ import torch
 from fake_cuda import save_as_cuda
 from helpers import MAIN, finish, kill, start
 
-from {{ cookiecutter.package_name }}.ddp.parity import load_weights
-from {{ cookiecutter.package_name }}.ddp.schedules import WarmupCosine
+from ddpkit.parity import load_weights
+from ddpkit.schedules import WarmupCosine
 
 TESTS = Path(__file__).resolve().parent
 

@@ -14,7 +14,7 @@ from alone import allreduce_ms, waited_s
 from helpers import MAIN, PROJECT, kill
 from sleepy import SleepyData
 
-from {{ cookiecutter.package_name }}.ddp.gap import (
+from ddpkit.gap import (
     EFFICIENCY_LINE,
     components,
     explain,

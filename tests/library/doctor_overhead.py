@@ -26,7 +26,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from toy import ToyClassifier, ToyData  # noqa: E402
 
-from {{ cookiecutter.package_name }}.ddp.doctor import ScalingDoctor  # noqa: E402
+from ddpkit.doctor import ScalingDoctor  # noqa: E402
 
 
 class StepClock(L.Callback):

@@ -9,7 +9,7 @@ import pytest
 from alone import THREADS, TOLERANCE, allreduce_ms, loader_ms
 from helpers import run_ok
 
-from {{ cookiecutter.package_name }}.ddp.gap import components
+from ddpkit.gap import components
 
 STEPS = 60  # 3 warm-up + 57 timed: a few epochs of the example, long enough to average 2 cores' jitter
 

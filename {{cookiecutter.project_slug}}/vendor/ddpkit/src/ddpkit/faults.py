@@ -31,7 +31,7 @@ PROJECT = Path(__file__).resolve().parent
 EVERY_STEP = """
 trainer:
   callbacks:
-    - class_path: {{ cookiecutter.package_name }}.ddp.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
       init_args:
         dirpath: DIRPATH
         every_n_train_steps: 1
