@@ -6,6 +6,11 @@ from pathlib import Path
 PACKAGE = Path({{ cookiecutter.package_name | tojson }})
 SLUG = {{ cookiecutter.project_slug | tojson }}
 
+# Cookiecutter copies the template's folder as it is on disk: caches that running the library's tests in the
+# template repository left there are not the library.
+for cache in list(Path("vendor").rglob("__pycache__")):
+    shutil.rmtree(cache, ignore_errors=True)
+
 if {{ cookiecutter.github_actions | tojson }} != "yes":
     shutil.rmtree(Path(".github"))
 

@@ -17,7 +17,7 @@ PACKAGE_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
 # Importing the project would hide these: the project's own code or its dependencies break.
 SHADOWED = {
     "lightning", "pytorch_lightning", "torch", "torchmetrics", "tensorboard",
-    "jsonargparse", "numpy", "pytest", "main", "tests", "test", "setuptools",
+    "jsonargparse", "numpy", "pytest", "main", "tests", "test", "setuptools", "ddpkit", "vendor",
 }
 
 

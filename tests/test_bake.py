@@ -15,6 +15,7 @@ import yaml
 from conftest import TEMPLATE, bake
 from cookiecutter.exceptions import FailedHookException
 
+# The user's project: what a default bake writes besides the library (vendor/ddpkit, checked as a whole below).
 COMMON = {
     ".gitignore",
     "LICENSE",
@@ -25,65 +26,16 @@ COMMON = {
     "configs/debug.yaml",
     "configs/model_parallel.yaml",
     "docs/scaling-2cpu.png",
-    "faults.py",
     "main.py",
     "pyproject.toml",
-    "scaling.py",
     "ddp_digits/__init__.py",
     "ddp_digits/digits/__init__.py",
     "ddp_digits/digits/data.py",
     "ddp_digits/digits/digits.csv.gz",
     "ddp_digits/digits/model.py",
     "ddp_digits/digits/module.py",
-    "ddp_digits/ddp/__init__.py",
-    "ddp_digits/ddp/checkpoints.py",
-    "ddp_digits/ddp/compiling.py",
-    "ddp_digits/ddp/cli.py",
-    "ddp_digits/ddp/data.py",
-    "ddp_digits/ddp/diagnosis.py",
-    "ddp_digits/ddp/doctor.py",
-    "ddp_digits/ddp/gap.py",
-    "ddp_digits/ddp/lightning_internals.py",
-    "ddp_digits/ddp/parity.py",
-    "ddp_digits/ddp/predictions.py",
-    "ddp_digits/ddp/processes.py",
-    "ddp_digits/ddp/requeue.py",
-    "ddp_digits/ddp/sampling.py",
-    "ddp_digits/ddp/schedules.py",
-    "ddp_digits/ddp/sharding.py",
-    "ddp_digits/ddp/stop.py",
-    "ddp_digits/ddp/strategy.py",
-    "ddp_digits/ddp/throughput.py",
     "tests/conftest.py",
-    "tests/configured.py",
-    "tests/doctor_cases.py",
-    "tests/allreduce_alone.py",
-    "tests/alone.py",
-    "tests/loader_alone.py",
-    "tests/doctor_overhead.py",
-    "tests/fake_cluster.py",
-    "tests/fake_cuda.py",
-    "tests/faulty.py",
-    "tests/helpers.py",
-    "tests/parity_probe.py",
-    "tests/rank_probe.py",
-    "tests/toy.py",
-    "tests/toy.yaml",
-    "tests/test_bad_input.py",
-    "tests/test_cli.py",
-    "tests/test_diagnosis.py",
-    "tests/test_doctor.py",
-    "tests/test_doctor_numbers.py",
-    "tests/test_faults.py",
-    "tests/test_lightning_internals.py",
-    "tests/test_multinode.py",
-    "tests/test_parity.py",
-    "tests/runs.py",
-    "tests/sleepy.py",
-    "tests/test_sampling.py",
-    "tests/test_scaling_gap.py",
-    "tests/test_schedules.py",
-    "tests/test_sharded.py",
+    "tests/test_guarantees.py",
     "tests/examples/digits.yaml",
     "tests/examples/test_digits_cli.py",
     "tests/examples/test_digits_data.py",
@@ -100,11 +52,23 @@ LM_EXAMPLE = {
     "tests/examples/test_lm.py",
     "tests/examples/test_lm_sharded.py",
 }
+LIBRARY = TEMPLATE / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"
 WORKFLOW = ".github/workflows/tests.yml"
 
 
 def files(project: Path) -> set[str]:
-    return {str(p.relative_to(project)) for p in project.rglob("*") if p.is_file()}
+    """The project's files outside vendor/ (the library, compared whole with the template's)."""
+    return {str(p.relative_to(project)) for p in project.rglob("*") if p.is_file() and p.parts[len(project.parts)] != "vendor"}
+
+
+def library_files(root: Path) -> dict[str, bytes]:
+    """The library's source files under `root` (a bake's vendor/ddpkit or the template's), without caches that
+    running it leaves in the template's working tree."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p)
+    }
 
 
 def run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -125,6 +89,30 @@ def test_default_bake_writes_exactly_the_expected_files(default_project):
     """Defaults give the slug directory with the package, tests, data and CI workflow, and no LM example."""
     assert default_project.name == "ddp-digits"
     assert files(default_project) == COMMON | {WORKFLOW}
+
+
+def test_the_library_is_carried_unrendered_and_whole(default_project):
+    """vendor/ddpkit is the template's library byte for byte (copied without rendering: no template syntax reaches
+    it, none is needed), with its pyproject.toml and version, and nothing else (no caches)."""
+    baked = {str(p.relative_to(default_project / "vendor" / "ddpkit")) for p in (default_project / "vendor").rglob("*")}
+    assert not any("__pycache__" in name for name in baked)
+    assert library_files(default_project / "vendor" / "ddpkit") == library_files(LIBRARY)
+    meta = tomllib.loads((LIBRARY / "pyproject.toml").read_text())
+    assert meta["project"]["name"] == "ddpkit" and meta["tool"]["hatch"]["version"]["path"] == "src/ddpkit/__init__.py"
+    assert re.search(r'^__version__ = "\d+\.\d+\.\d+"$', (LIBRARY / "src/ddpkit/__init__.py").read_text(), re.M)
+
+
+def test_the_users_rooms_stay_small(default_project):
+    """The user's package holds only the example (at most 500 Python lines) and the tests outside
+    tests/examples are the few lines that select the library's suite."""
+    def lines(paths):
+        return sum(len(p.read_text().splitlines()) for p in paths)
+
+    package = default_project / "ddp_digits"
+    assert {p.name for p in package.iterdir()} == {"__init__.py", "digits"}
+    assert lines(package.rglob("*.py")) <= 500
+    tests = [p for p in (default_project / "tests").glob("*.py")]
+    assert lines(tests) <= 100, [str(p) for p in tests]
 
 
 def test_lm_example_is_baked_only_when_asked(lm_project):
@@ -163,13 +151,14 @@ def test_custom_names_reach_paths_and_imports(tmp_path):
     assert project.name == "fancy-net"
     assert (project / "fancy" / "digits" / "module.py").is_file()
     assert "class_path: fancy.digits.module.DigitsClassifier" in (project / "config.yaml").read_text()
-    assert "from fancy.ddp.sampling import" in (project / "tests/test_sampling.py").read_text()
+    assert "from fancy.digits.data import" in (project / "tests/examples/test_digits_data.py").read_text()
 
 
 def test_no_template_syntax_left(default_project):
-    """No `{{`, `{%` or `cookiecutter` remains in any generated text file."""
-    for path in default_project.rglob("*"):
-        if path.is_file() and path.suffix not in (".gz", ".png"):
+    """No `{{`, `{%` or `cookiecutter` remains in any generated text file outside the (unrendered) library."""
+    for name in files(default_project):
+        path = default_project / name
+        if path.suffix not in (".gz", ".png"):
             text = path.read_text()
             assert "{{" not in text and "{%" not in text and "cookiecutter" not in text, path
 
@@ -191,11 +180,14 @@ def test_generated_project_passes_ruff(tmp_path, name):
 
 
 def test_pyproject_declares_dependencies(default_project):
-    """pyproject.toml pins the five runtime packages and the dev tools to the versions CI tests."""
+    """The project pins torch and takes the library from vendor/ddpkit, which pins the runtime packages to the
+    versions CI tests; the dev tools are pinned too."""
     meta = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
-    pins = dict(d.split("==") for d in meta["dependencies"] + meta["optional-dependencies"]["dev"])
+    assert meta["dependencies"] == ["torch==2.13.0", "ddpkit @ {root:uri}/vendor/ddpkit"]
+    library = tomllib.loads((LIBRARY / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = dict(d.split("==") for d in library + meta["optional-dependencies"]["dev"])
     assert set(pins) == {
-        "torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse[signatures]", "pytest", "ruff", "matplotlib"
+        "torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse[signatures]", "pytest", "ruff", "cruft"
     }  # fmt: skip
     # Exactly the versions the template's own requirements.txt (its CI) installs.
     tested = dict(line.split("==") for line in (TEMPLATE / "requirements.txt").read_text().splitlines() if "==" in line)
@@ -283,224 +275,3 @@ def test_ci_runs_the_readme_test_command():
     command = "pip install torch==2.13.0 && pip install -r requirements.txt && python -m pytest tests"
     assert f"\n{command}\n" in readme and f"\n{command}\n" in ci
     assert ci.index("python3 -m venv") < ci.index("source") < ci.index(command)
-
-
-OWN_DATA = '''
-"""A data module written from scratch: noisy samples of a wave, as dict batches."""
-
-import math
-
-import torch
-from torch.utils.data import Dataset
-
-from my_project.ddp import GlobalBatchDataModule
-
-
-class Wave(Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.rand(n, 8, generator=g) * 2 * math.pi
-        self.y = torch.sin(self.x).sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "y": self.y[i]}
-
-
-class WaveData(GlobalBatchDataModule):
-    """Noisy sums of sines.
-
-    Args:
-        global_batch_size: Samples per optimizer step over all devices.
-        micro_batch_size: Samples per forward pass on one device.
-        num_workers: Loader workers per device.
-        n_train: Training samples.
-    """
-
-    def __init__(
-        self, global_batch_size: int = 32, micro_batch_size: int | None = None, num_workers: int = 0, n_train: int = 400
-    ) -> None:
-        super().__init__(global_batch_size, micro_batch_size, num_workers)
-        self.n_train = n_train
-
-    def train_dataset(self) -> Dataset:
-        return Wave(self.n_train, seed=0)
-
-    def val_dataset(self) -> Dataset:
-        return Wave(101, seed=1)
-
-    def test_dataset(self) -> Dataset:
-        return Wave(99, seed=2)
-'''
-
-OWN_MODEL = '''
-"""A LightningModule written from scratch: an MLP regressor with dropout, logging val_loss."""
-
-import lightning as L
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torchmetrics import MeanMetric
-
-
-class WaveRegressor(L.LightningModule):
-    """Regresses the wave.
-
-    Args:
-        width: Hidden width.
-        lr: Learning rate.
-    """
-
-    def __init__(self, width: int = 32, lr: float = 1e-2) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Dropout(0.1), nn.Linear(width, 1))
-        self.val_mse, self.test_mse = MeanMetric(), MeanMetric()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = F.mse_loss(self(batch["x"]), batch["y"])
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.val_mse.update(F.mse_loss(self(batch["x"]), batch["y"], reduction="none"))
-        self.log("val_loss", self.val_mse)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.test_mse.update(F.mse_loss(self(batch["x"]), batch["y"], reduction="none"))
-        self.log("test_loss", self.test_mse)
-
-    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self(batch["x"])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-'''
-
-
-BUGGY = '''
-"""Classic DDP bugs in the user's module: each trains fine on 1 device and differently on 2."""
-
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from my_project.wave_model import WaveRegressor
-
-
-class SumLoss(WaveRegressor):
-    """Sums the loss over the batch: DDP averages gradients over ranks, so 2 devices take half the step."""
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = F.mse_loss(self(batch["x"]), batch["y"], reduction="sum")
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-
-class UnsyncedBatchNorm(WaveRegressor):
-    """BatchNorm without SyncBatchNorm: each rank normalizes with its own half of the batch."""
-
-    def __init__(self, width: int = 32, lr: float = 1e-2) -> None:
-        super().__init__(width, lr)
-        self.net = nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, 1))
-
-
-class UnsyncedMetric(WaveRegressor):
-    """Logs each batch's validation loss without sync_dist: every rank reports the loss of its own half."""
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val_loss", F.mse_loss(self(batch["x"]), batch["y"]))
-'''
-
-
-def point_config_at(project: Path, model: str, data: str, monitor: str, mode: str) -> None:
-    """Edit config.yaml as a user would: another model and data class, another monitored metric."""
-    config = (project / "config.yaml").read_text()
-    head = config[: config.index("\nmodel:")]
-    head = head.replace("monitor: val/acc", f"monitor: {monitor}").replace("mode: max", f"mode: {mode}")
-    (project / "config.yaml").write_text(f"{head}\nmodel:\n  class_path: {model}\n\ndata:\n  class_path: {data}\n")
-
-
-@pytest.fixture(scope="module")
-def own_project(tmp_path_factory, baked_env) -> tuple[Path, dict, list[str]]:
-    """A project baked with the LM example, a model and a data module of the user's own written from scratch
-    in new files (dict batches, dropout, val_loss; the data module subclasses the base, nothing subclasses
-    the example) and config.yaml pointed at them, installed by the baked workflow's own install steps in a
-    new virtual environment. Returns the project, that environment, and the workflow's remaining steps.
-
-    Only the torch step changes: this machine installs the same torch==2.13.0 CPU wheel from its own disk
-    instead of downloading it. Everything else must come from `pip install -e ".[dev]"`.
-    """
-    base = tmp_path_factory.mktemp("own")
-    project = bake(base, project_name="My Project", lm_example="yes")
-    (project / "my_project" / "wave_data.py").write_text(OWN_DATA.lstrip())
-    (project / "my_project" / "wave_model.py").write_text(OWN_MODEL.lstrip())
-    (project / "my_project" / "buggy.py").write_text(BUGGY.lstrip())
-    point_config_at(
-        project, "my_project.wave_model.WaveRegressor", "my_project.wave_data.WaveData", "val_loss", "min"
-    )
-    env = baked_env
-    steps = workflow_steps(project)
-    assert steps[1] == 'pip install -e ".[dev]"'
-    local_torch = steps[0].split(" --index-url")[0]  # the same pin, from this machine's own wheel
-    for step in [local_torch, steps[1]]:
-        result = run(["bash", "-c", step], project, timeout=600, env=env)
-        assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
-    return project, env, steps[2:]
-
-
-def test_own_model_and_data_keep_the_guarantees(own_project):
-    """The workflow's remaining steps as written (ruff, the project's whole suite, unedited) pass on the user's
-    classes; only GPU tests, sharding (the module does not shard its layers) and the lr-schedule parity (it takes
-    no scheduler argument) skip."""
-    project, env, steps = own_project
-    assert steps == ["ruff check .", "pytest", "pytest -m machinery"]
-    skips = []
-    before = {p.name for p in project.iterdir()}
-    for step in steps:
-        result = run(["bash", "-c", step], project, timeout=1200, env=env)
-        print(f"$ {step}\n{result.stdout[-3000:]}")
-        assert result.returncode == 0, f"{step} exited {result.returncode}:\n{result.stdout[-6000:]}"
-        if step != "ruff check .":
-            assert " passed" in result.stdout and " failed" not in result.stdout
-            skips += [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
-    allowed = ("GPU", "CUDA", "does not shard its layers", "takes no scheduler argument")
-    assert skips and all(any(reason in s for reason in allowed) for s in skips), skips
-    # The suites write into temporary directories only (no doctor.json, runs/ or lightning_logs/ left here).
-    assert {p.name for p in project.iterdir()} - before <= {".pytest_cache", ".ruff_cache"}
-
-
-# The parity tests that read only the first wave of runs (tests/runs.py: 1 and 2 devices in float64), so that
-# each bug below costs 2 runs, not the suite's 17: enough to catch each of them.
-PARITY_FIRST_WAVE = [
-    "tests/test_parity.py::test_weights_match_1_vs_2_devices[fp64]",
-    "tests/test_parity.py::test_logged_scalars_match_every_step[fp64]",
-    "tests/test_parity.py::test_logged_training_values_are_global",
-    "tests/test_parity.py::test_eval_metrics_count_each_sample_once[val]",
-]
-
-
-@pytest.mark.parametrize(
-    ("bug", "caught_by"),
-    [
-        ("SumLoss", ["test_logged_scalars_match_every_step[fp64]", "test_weights_match_1_vs_2_devices[fp64]"]),
-        ("UnsyncedBatchNorm", ["test_weights_match_1_vs_2_devices[fp64]"]),
-        ("UnsyncedMetric", ["test_eval_metrics_count_each_sample_once[val]"]),
-    ],
-)
-def test_parity_suite_fails_on_classic_ddp_bugs(own_project, bug, caught_by):
-    """The project's parity tests, run on the user's module with one classic DDP bug, fail on that bug."""
-    project, env, _ = own_project
-    env = {**env, "PARITY_ARGS": f"--model my_project.buggy.{bug}"}
-    cmd = ["python", "-m", "pytest", *PARITY_FIRST_WAVE, "-q", "-rf", "-p", "no:cacheprovider"]
-    result = run(["bash", "-c", shlex.join(cmd)], project, 900, env)
-    print(result.stdout[-3000:])
-    failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("FAILED ")]
-    assert result.returncode == 1 and failed, result.stdout[-6000:]
-    for name in caught_by:
-        assert any(name in f for f in failed), (name, failed)
