@@ -66,7 +66,8 @@ class Elsewhere:
     test: str  # file::function of the test that runs the command
 
 
-OWN_PROJECT = "tests/test_bake.py::test_own_model_and_data_keep_the_guarantees"
+OWN_PROJECT = "tests/test_own_project.py::test_own_model_and_data_keep_the_guarantees"
+UPDATE = "tests/test_own_project.py::test_update_keeps_the_users_files_and_brings_the_new_library"
 NO_GPU = "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu."
 DOCTOR_LINES = [
     "Scaling doctor: 2 x cpu, ",
@@ -91,14 +92,14 @@ GENERATED = {
     "python main.py fit --config configs/debug.yaml": Run(
         expect=["FIT Profiler Report", "Scaling doctor: 1 x cpu, 2 steps"]  # 5 batches, 3 of them warm-up
     ),
-    "pytest tests/test_parity.py": Elsewhere(OWN_PROJECT),
+    "pytest tests/test_guarantees.py": Elsewhere(OWN_PROJECT),
     "python main.py fit --trainer.devices 1 --trainer.default_root_dir runs/one": Run(
         "python main.py fit --trainer.devices 1 --trainer.default_root_dir runs/one" + FEW
     ),
     "python main.py fit --trainer.devices 8 --trainer.default_root_dir runs/eight": Run(
         "python main.py fit --trainer.devices 2 --trainer.default_root_dir runs/eight" + FEW, ["2 x cpu"]
     ),
-    "python -m ddp_digits.ddp.parity runs/one/lightning_logs/version_0 runs/eight/lightning_logs/version_0": Run(
+    "python -m ddpkit.parity runs/one/lightning_logs/version_0 runs/eight/lightning_logs/version_0": Run(
         expect=["PASS: worst max_rel"]
     ),
     "sbatch cluster/slurm.sbatch": Scheduler(2, ["num_nodes: 2", "devices: '4'", "slurm_requeue: true"]),
@@ -127,19 +128,19 @@ GENERATED = {
         "python main.py fit --doctor.enabled false" + FEW, absent=["Scaling doctor"]
     ),
     'pip install -e ".[scaling]"': Run(),
-    "python scaling.py --devices 1 2 4 --max-steps 300": Run(
-        "python scaling.py --devices 1 2 --max-steps 20", [SWEEP_HEADER, "written: "]
+    "python -m ddpkit.scaling --devices 1 2 4 --max-steps 300": Run(
+        "python -m ddpkit.scaling --devices 1 2 --max-steps 20", [SWEEP_HEADER, "written: "]
     ),
-    "python scaling.py --devices 1 2 -- --trainer.accelerator cpu": Run(
+    "python -m ddpkit.scaling --devices 1 2 -- --trainer.accelerator cpu": Run(
         expect=[SWEEP_HEADER, "written: scaling/scaling.md, scaling.json, scaling.png"]
     ),
-    "python scaling.py --explain scaling/devices_1 scaling/devices_2": Run(
+    "python -m ddpkit.scaling --explain scaling/devices_1 scaling/devices_2": Run(
         expect=["2 device(s) against 1: ", "  unexplained ", "verdict: "]
     ),
-    "python scaling.py --preflight --devices 4 [-- <fit args>]": Elsewhere(
+    "python -m ddpkit.scaling --preflight --devices 4 [-- <fit args>]": Elsewhere(
         "the next command, its instance with the output shown"
     ),
-    "python scaling.py --preflight --devices 2 -- --trainer.accelerator cpu": Run(
+    "python -m ddpkit.scaling --preflight --devices 2 -- --trainer.accelerator cpu": Run(
         expect=[
             "backend: gloo",
             "rank | device | current_device | name | cores visible | all_reduce(1)",
@@ -152,8 +153,9 @@ GENERATED = {
     "python main.py fit && python main.py test --ckpt_path best": Run(
         "python main.py fit" + FEW + " && python main.py test --ckpt_path best", ["Test metric"]
     ),
+    'cruft update -y && pip install -e ".[dev]" && pytest': Elsewhere(UPDATE),
     "pytest": Elsewhere(OWN_PROJECT),
-    "pytest -m machinery": Elsewhere(OWN_PROJECT),
+    "pytest tests/examples": Run(expect=[" passed"], absent=[" failed", " error"], timeout=900),
     # Here (no GPU) every GPU test skips with its reason: the marker selects them and nothing else runs.
     "pytest -m gpu": Run(expect=[" skipped"], absent=["passed", "failed", "error"]),
 }
@@ -302,7 +304,7 @@ def test_default_fit_reaches_the_documented_accuracy(project, outcomes):
 
 
 def test_cpu_sweep_compares_like_with_like(project, outcomes):
-    """`python scaling.py --devices 1 2 -- --trainer.accelerator cpu` as written gives each process 1 thread on
+    """`python -m ddpkit.scaling --devices 1 2 -- --trainer.accelerator cpu` as written gives each process 1 thread on
     this 2-core machine, and 2 processes are not faster per process than 1: efficiency at most ~1. (It was
     4.2 when the 1-process run got 2 threads that fought each other; 1.25 leaves room for timing noise.)"""
     record = json.loads((project / "scaling/scaling.json").read_text())
