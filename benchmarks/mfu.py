@@ -1,6 +1,6 @@
 """Model FLOPs utilisation of the benchmark's MLP: achieved training FLOP/s over the devices' dense peak.
 
-The peaks come from the baked project's own `throughput.py` (`peak_flops`), the
+The peaks come from the library's `ddpkit.throughput` (`peak_flops`), the
 table its language-model example uses because Lightning's lookup does not know a
 plain "NVIDIA H200" and counts H200s with sparsity.
 """

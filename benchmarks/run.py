@@ -15,6 +15,7 @@ what each figure means.
 
 import argparse
 import contextlib
+import importlib
 import itertools
 import json
 import os
@@ -31,7 +32,6 @@ from pathlib import Path
 import torch
 
 from mfu import mfu, mlp_train_flops  # benchmarks/ is on sys.path as the script's directory
-from raw_ddp import baked_module
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -213,7 +213,7 @@ def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> 
         hidden, layers, _ = CONFIGS[name]
         # 32-true: neither side enables TF32 matmuls (torch defaults to "highest"), so the plain FP32 peak.
         dtype = "bf16" if args.precision.startswith("bf16") else "fp32"
-        peak = baked_module(project, "ddp.throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
+        peak = importlib.import_module("ddpkit.throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
         flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
         for side in ("raw", "bare", "template"):
             # The mean, not the median: on a GPU the host runs ahead of the device between syncs.

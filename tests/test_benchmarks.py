@@ -65,10 +65,11 @@ def test_epoch_zero_is_not_timed(report):
 
 
 def test_raw_loop_bare_lightning_and_template_end_with_the_same_weights(report):
-    """Same model, data order, optimizer and seed: the final weights of all three agree to float rounding."""
+    """Same model, data order, optimizer and seed: the final weights of all three are bit-identical (the READMEs
+    say so; a sampler, loss or optimizer step that differed at all would show here)."""
     (row,) = report[0]["rows"]
-    assert row["weight_diff"] < 1e-6
-    assert row["bare_weight_diff"] < 1e-6
+    assert row["weight_diff"] == 0.0
+    assert row["bare_weight_diff"] == 0.0
 
 
 def test_markdown_table_is_printed(report):
@@ -78,11 +79,10 @@ def test_markdown_table_is_printed(report):
     assert "| small | 2 |" in text
 
 
-def test_gpu_peaks_come_from_the_baked_project(default_project):
-    """run.py takes MFU peaks from the project's throughput.py, which knows a plain 'NVIDIA H200'."""
-    throughput = run_module.baked_module(default_project, "ddp.throughput")
+def test_gpu_peaks_come_from_the_library():
+    """run.py takes MFU peaks from the library's throughput module, which knows a plain 'NVIDIA H200'."""
+    throughput = importlib.import_module("ddpkit.throughput")
     assert throughput.peak_flops("NVIDIA H200", "bf16") == 989.5e12
-    assert throughput.__file__.startswith(str(default_project))
 
 
 def test_mlp_flops_count_matmuls_only():
