@@ -137,9 +137,6 @@ GENERATED = {
     "python -m ddpkit.scaling --explain scaling/devices_1 scaling/devices_2": Run(
         expect=["2 device(s) against 1: ", "  unexplained ", "verdict: "]
     ),
-    "python -m ddpkit.scaling --preflight --devices 4 [-- <fit args>]": Elsewhere(
-        "the next command, its instance with the output shown"
-    ),
     "python -m ddpkit.scaling --preflight --devices 2 -- --trainer.accelerator cpu": Run(
         expect=[
             "backend: gloo",

@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, random_split
-
 from ddpkit import GlobalBatchDataModule
+from torch.utils.data import Dataset, TensorDataset, random_split
 
 # 1,797 8x8 images of handwritten digits, pixels 0..16, one row = 64 pixels + label.
 # UCI "Optical Recognition of Handwritten Digits" (Alpaydin & Kaynak, 1998), CC BY 4.0.

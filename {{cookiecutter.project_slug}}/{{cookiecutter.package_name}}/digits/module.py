@@ -8,12 +8,11 @@ validation and test numbers count every sample exactly once on any world size.
 import lightning as L
 import torch
 import torch.nn.functional as F
+from ddpkit import compile_layers, optimization, shard_layers
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
-
-from ddpkit import compile_layers, optimization, shard_layers
 
 from .model import MLP
 

@@ -9,10 +9,9 @@ System text, "unrestricted use"). The translation is in the public domain
 from pathlib import Path
 
 import torch
+from ddpkit import GlobalBatchDataModule
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
-
-from ddpkit import GlobalBatchDataModule
 
 TEXT = Path(__file__).with_name("ecclesiastes.txt")
 

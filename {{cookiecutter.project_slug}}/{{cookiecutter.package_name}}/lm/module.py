@@ -9,12 +9,11 @@ shards each transformer block over the devices; under `FSDPStrategy`
 import lightning as L
 import torch
 import torch.nn.functional as F
+from ddpkit import compile_layers, optimization, shard_layers
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torchmetrics import MeanMetric
-
-from ddpkit import compile_layers, optimization, shard_layers
 
 from .gpt import GPT
 
