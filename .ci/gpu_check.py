@@ -4,8 +4,8 @@
 
 Bakes the project with the language-model example into a temporary directory and runs, printing one
 `gpu_check:` line per step (PASS, FAIL or SKIP and the number that decided it):
-1. the baked suite's GPU-marked tests (`pytest -m gpu`: NCCL parity in float64/float32/bf16, the NCCL stop and
-   hang paths, MFU, FSDP; those needing 2 GPUs skip on 1);
+1. the baked suite's GPU-marked tests (`pytest -m gpu`: NCCL parity in float64/float32/bf16, MFU, FSDP; those
+   needing 2 GPUs skip on 1), then the library's (`tests/library`: the NCCL stop and hang paths);
 2. 1 GPU vs 1 CPU process in float64 (the default model, 2 epochs): within the CPU parity bound, 1e-12;
 3. on a single GPU, 2 ranks anyway: two one-process torchrun agents (`--trainer.num_nodes 2`) sharing the GPU
    over gloo, vs 1 GPU, in float64 (with 2+ GPUs step 1 compares 2 GPUs over NCCL);
@@ -55,7 +55,7 @@ def fit(project: Path, root: Path, *args: str) -> int:
 
 
 def compare(project: Path, a: Path, b: Path, tol: float) -> tuple[bool, str]:
-    cmd = [sys.executable, "-m", f"{project.name.replace('-', '_')}.ddp.parity", str(a), str(b), "--rel-tol", str(tol)]
+    cmd = [sys.executable, "-m", "ddpkit.parity", str(a), str(b), "--rel-tol", str(tol)]
     result = subprocess.run(cmd, check=False, cwd=project, capture_output=True, text=True)
     return result.returncode == 0, (result.stdout.strip().splitlines() or ["no output"])[-1]
 
@@ -78,6 +78,11 @@ def main() -> int:
     code = sh([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], project, work / "pytest-gpu.log")
     tail = (work / "pytest-gpu.log").read_text().strip().splitlines()[-1:] or ["no output"]
     say("GPU-marked tests", code == 0, tail[0])
+    # The library's own GPU tests (NCCL stop and hang paths), from this repository.
+    library = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/library"]
+    code = sh(library, TEMPLATE, work / "pytest-gpu-library.log")
+    tail = (work / "pytest-gpu-library.log").read_text().strip().splitlines()[-1:] or ["no output"]
+    say("the library's GPU-marked tests", code == 0, tail[0])
 
     gpu, cpu = work / "fp64-1gpu", work / "fp64-1cpu"
     codes = (
