@@ -49,7 +49,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from .diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, format_report, summarize
-from .lightning_internals import wrap_fetch_hooks
+from .lightning_internals import ddp_comm_hook, wrap_fetch_hooks
 
 
 class _Totals:
@@ -203,7 +203,7 @@ class ScalingDoctor(L.Callback):
         model = trainer.strategy.model
         # The strategy has wrapped the model by now and no backward has run yet: the last moment to add a hook.
         if self.measure_comm and isinstance(model, DistributedDataParallel):
-            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            if ddp_comm_hook(trainer.strategy) is not None:
                 rank_zero_warn("ScalingDoctor: a DDP comm hook is already registered; all-reduce time not measured.")
             else:
                 model.register_comm_hook(model.process_group, self._timed_allreduce)
