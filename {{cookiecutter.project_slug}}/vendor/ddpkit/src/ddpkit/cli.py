@@ -25,7 +25,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
-from .checkpoints import AtomicCheckpointIO
+from . import __version__
+from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
@@ -85,9 +86,10 @@ class RunConfigSaver(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         # The whole resolved configuration (every class, every argument) to every logger, as one YAML text
         # under "config" (CSV: hparams.yaml; TensorBoard: its hparams tab), not only to the first one's dir.
+        # With the version of ddpkit that ran it (hparams.yaml's `ddpkit_version`).
         config = self.parser.dump(self.config, skip_none=False)
         for logger in trainer.loggers:
-            logger.log_hyperparams({"config": config})
+            logger.log_hyperparams({"config": config, VERSION_KEY: __version__})
 
 
 class CLI(SubcommandCLI):
@@ -211,7 +213,8 @@ class CLI(SubcommandCLI):
         defaults = self.trainer_defaults
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        self.trainer_defaults = {**defaults, "callbacks": [*given, stop, *requeue, *writer, *lr]}
+        added = [stop, *requeue, *writer, *lr, RecordVersion()]
+        self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)
         finally:  # for this trainer only: another call must not add them twice
@@ -470,6 +473,13 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     saved_class = hparams.pop("_class_path", None)
     hparams.pop("_instantiator", None)
     configured = model_config.get("class_path") if hasattr(model_config, "get") else None
+    saved_version = checkpoint.get(VERSION_KEY)
+    if saved_version and saved_version != __version__ and rank_label() == "0":
+        # Defaults, checkpoint contents or the resume logic may have changed between the two versions.
+        sys.stderr.write(
+            f"warning: --ckpt_path {ckpt_path} was written by ddpkit {saved_version}; this is ddpkit {__version__}: "
+            "compare the two versions' changes before trusting a resumed run to match an uninterrupted one\n"
+        )
     if saved_class and configured and saved_class != configured:
         raise BadInput(
             f"--ckpt_path {ckpt_path} was saved by model {saved_class}, but the model is {configured}: "

@@ -276,7 +276,7 @@ def format_report(s: dict) -> str:
     lines = [
         f"Scaling doctor: {s['world_size']} x {s['device']}, {s['steps']} steps, "
         f"{s['samples_per_s']:.0f} samples/s ({s['samples_per_s_per_device']:.0f} per device), "
-        f"{s['steps_per_s']:.1f} steps/s",
+        f"{s['steps_per_s']:.1f} steps/s" + (f" (ddpkit {s['ddpkit_version']})" if s.get("ddpkit_version") else ""),
         f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "
         f"{s.get('cpu_threads_per_rank')} torch threads per rank, {s.get('num_workers')} loader workers per rank",
         "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | cpu wait ms | gc ms | peak MB",

@@ -48,6 +48,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from . import __version__
 from .diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, format_report, summarize
 from .lightning_internals import ddp_comm_hook, wrap_fetch_hooks
 
@@ -385,6 +386,7 @@ class ScalingDoctor(L.Callback):
         loader = trainer.train_dataloader
         grads = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         return {
+            "ddpkit_version": __version__,  # the code behind these numbers and this verdict
             "device": self._device.type,
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "comm_measured": self._comm_measured,
