@@ -513,8 +513,9 @@ def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
 def main(default_config: str | Path, args: list[str] | None = None, run: bool = True) -> CLI:
     """A project's `main.py`: parse `args` (else sys.argv) over `default_config` and run the subcommand;
     with `run=False` only build model, data and trainer. Model and data classes come from the config."""
-    # Lightning's progress bar when `rich` is not installed (TQDM) redraws after every step: ~0.4 ms of CPU
-    # per step. Every 10th step (and each epoch's last) is enough to watch; export TQDM_MINITERS to change it.
+    # Lightning's progress bar when `rich` is not installed (TQDM) redraws after every step, a few tenths of a
+    # ms of CPU each (measured: ddp-template's docs/measurements.md). Every 10th step (and each epoch's last)
+    # is enough to watch; export TQDM_MINITERS to change it.
     os.environ.setdefault("TQDM_MINITERS", "10")
     parser_kwargs = {"default_config_files": [str(default_config)]}
     return CLI(

@@ -1,9 +1,9 @@
 """Every private name of Lightning or torch that ddpkit relies on, in one place.
 
-Each is a debt: a new release may rename or remove it. The template's `tests/library/test_lightning_internals.py`
-checks every name in `PRIVATE_NAMES` (and the behaviour of the helpers below) and fails naming the Lightning
-and torch versions, so an upgrade says at once what moved; `tests/library/test_private_names.py` fails when any
-other module of ddpkit uses a private name. Measured against Lightning 2.6.6 and torch 2.13.0.
+Each is a debt: a new release may rename or remove it. ddpkit's own tests check every name in `PRIVATE_NAMES`
+(and the behaviour of the helpers below) and fail naming the Lightning and torch versions, so an upgrade says
+at once what moved; they also fail when any other module of ddpkit uses a private name of Lightning or torch.
+Measured against Lightning 2.6.6 and torch 2.13.0.
 """
 
 from collections.abc import Callable
