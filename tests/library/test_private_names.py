@@ -80,7 +80,8 @@ def private_uses(source: str, namespace: dict) -> list[str]:
             inherited = frozenset().union(*(external_names(b) for b in bases if isinstance(b, type)))
             for item in node.body:
                 names = [item.name] if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
-                names += [t.id for t in getattr(item, "targets", []) if isinstance(t, ast.Name)]
+                targets = [item.target] if isinstance(item, ast.AnnAssign) else getattr(item, "targets", [])
+                names += [t.id for t in targets if isinstance(t, ast.Name)]
                 for name in names:
                     if name in inherited:
                         report(item, f"overrides {name}, defined by a Lightning/torch base class")
@@ -199,11 +200,15 @@ def test_clean_snippet_reports_nothing():
         ("from lightning.pytorch.cli import LightningCLI\nclass C(LightningCLI):\n"
          "    def run(self):\n        return super()._get(self.config, 'x')",
          "line 4: super()._get"),
+        ("from lightning.pytorch.callbacks import ModelCheckpoint\nclass K(ModelCheckpoint):\n"
+         "    _save_last_checkpoint: object = None",
+         "line 3: overrides _save_last_checkpoint, defined by a Lightning/torch base class"),
         ("from lightning.pytorch.callbacks import ThroughputMonitor\nclass M(ThroughputMonitor):\n"
          "    def peak(self):\n        return self._throughputs",
          "line 4: self._throughputs, defined by a Lightning/torch base class"),
     ],
-    ids=["attribute", "import", "import-from-module", "import-name", "getattr", "override", "super", "inherited"],
+    ids=["attribute", "import", "import-from-module", "import-name", "getattr", "override", "super", "class-attribute",
+         "inherited"],
 )
 def test_private_use_is_reported(source, expected):
     """Each kind of private use is reported with its line."""
