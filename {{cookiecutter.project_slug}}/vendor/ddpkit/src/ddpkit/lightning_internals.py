@@ -84,8 +84,8 @@ def set_throughput_peak(monitor: ThroughputMonitor, peak_flops: float) -> None:
 def apply_activation_checkpointing(model: torch.nn.Module, check_fn: Callable[[torch.nn.Module], bool]) -> None:
     """Recompute the activations of each submodule for which `check_fn` is true during backward (in place).
 
-    torch's own wrapper, the one FSDP2 recipes use; it keeps state-dict keys unchanged. torch has no public
-    module-level equivalent (`torch.utils.checkpoint` wraps a function call, not a module).
+    torch's own module wrapper (non-reentrant); state-dict keys stay unchanged. torch 2.13 has no public
+    equivalent for modules (`torch.utils.checkpoint` wraps a function call).
     """
     checkpoint_wrapper.apply_activation_checkpointing(model, check_fn=check_fn)
 
