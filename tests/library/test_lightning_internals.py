@@ -73,3 +73,71 @@ def test_save_point_follows_validation():
     t = trainer()
     assert internals.saves_on_train_epoch_end(ModelCheckpoint(), t) is True, VERSIONS
     assert internals.saves_on_train_epoch_end(ModelCheckpoint(save_on_train_epoch_end=False), t) is False
+
+
+def test_ddp_comm_hook_is_read():
+    """The hook a DDPStrategy was given is returned; a strategy without one, or no DDPStrategy, gives None."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    assert internals.ddp_comm_hook(DDPStrategy(ddp_comm_hook=allreduce_hook)) is allreduce_hook, VERSIONS
+    assert internals.ddp_comm_hook(DDPStrategy()) is None and internals.ddp_comm_hook(object()) is None
+
+
+def test_throughput_peak_reaches_every_stage():
+    """After setup (no peak on the CPU), the new peak is the monitor's and that of each stage's meter."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+    t, model = trainer(), BoringModel()
+    t.state.fn, t.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    monitor.setup(t, model, "fit")
+    internals.set_throughput_peak(monitor, 5e12)
+    meters = list(monitor._throughputs.values())
+    assert meters and monitor.available_flops == 5e12, VERSIONS
+    assert [m.available_flops for m in meters] == [5e12] * len(meters)
+
+
+def test_activation_checkpointing_recomputes_chosen_layers_only():
+    """A chosen layer runs its forward again during backward, the others once; weights keep their names."""
+    calls = {"first": 0, "second": 0}
+
+    class Counted(torch.nn.Linear):
+        def __init__(self, name: str) -> None:
+            super().__init__(4, 4)
+            self.name = name
+
+        def forward(self, x):
+            calls[self.name] += 1
+            return super().forward(x)
+
+    model = torch.nn.Sequential(Counted("first"), torch.nn.Tanh(), Counted("second"))
+    keys = list(model.state_dict())
+    internals.apply_activation_checkpointing(model, check_fn=lambda m: getattr(m, "name", None) == "first")
+    model(torch.randn(2, 4)).sum().backward()
+    assert calls == {"first": 2, "second": 1}, VERSIONS
+    assert list(model.state_dict()) == keys
+
+
+def test_subcommand_hook_wraps_the_whole_run(tmp_path):
+    """`run_subcommand` runs around before_fit, the fit and after_fit, in that order."""
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    calls = []
+
+    class Recording(internals.SubcommandCLI):
+        def run_subcommand(self, subcommand: str) -> None:
+            calls.append(f"start {subcommand}")
+            super().run_subcommand(subcommand)
+            calls.append(f"end {subcommand} after {self.trainer.global_step} steps")
+
+        def before_fit(self) -> None:
+            calls.append("before_fit")
+
+        def after_fit(self) -> None:
+            calls.append("after_fit")
+
+    args = ["fit", "--trainer.fast_dev_run=2", "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"]
+    Recording(BoringModel, BoringDataModule, args=args)
+    assert calls == ["start fit", "before_fit", "after_fit", "end fit after 2 steps"], VERSIONS

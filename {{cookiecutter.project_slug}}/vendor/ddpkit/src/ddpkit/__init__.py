@@ -6,11 +6,14 @@ its `configure_optimizers` may return `optimization(...)`, and its `configure_mo
 `compile_layers` and `shard_layers`. `main.py` runs `ddpkit.cli.main`; `tests/` runs `ddpkit.testing`.
 """
 
-from .compiling import compile_layers
-from .data import GlobalBatchDataModule
-from .schedules import WarmupCosine, optimization
-from .sharding import shard_layers
-
+# The one place the version is written: hatchling reads it for the package ([tool.hatch.version]); a run
+# records it in its checkpoints, its logged hyperparameters and the doctor's report. Set before the imports
+# below, so that a module they load can import it.
 __version__ = "0.1.0"
+
+from .compiling import compile_layers  # noqa: E402
+from .data import GlobalBatchDataModule  # noqa: E402
+from .schedules import WarmupCosine, optimization  # noqa: E402
+from .sharding import shard_layers  # noqa: E402
 
 __all__ = ["GlobalBatchDataModule", "WarmupCosine", "__version__", "compile_layers", "optimization", "shard_layers"]

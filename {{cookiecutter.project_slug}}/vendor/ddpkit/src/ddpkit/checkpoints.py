@@ -3,6 +3,7 @@
 - `CurrentModelCheckpoint`: `last.ckpt` is always the latest epoch; a monitored metric the module never
   logs fails at the sanity check, naming the metrics it does log.
 - `AtomicCheckpointIO`: write to a temporary file, fsync, rename over the old one.
+- `RecordVersion`: every checkpoint says which ddpkit wrote it (`checkpoint["ddpkit_version"]`).
 """
 
 import os
@@ -13,10 +14,21 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from . import __version__
 from .lightning_internals import save_last_checkpoint_if_skipped, saves_on_train_epoch_end
+
+# The checkpoint key that holds the version of ddpkit that wrote it.
+VERSION_KEY = "ddpkit_version"
+
+
+class RecordVersion(Callback):
+    """Writes ddpkit's version into every checkpoint, so that a result can be traced to the code behind it."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[VERSION_KEY] = __version__
 
 
 class CurrentModelCheckpoint(ModelCheckpoint):

@@ -20,15 +20,16 @@ from jsonargparse.typing import PositiveInt
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
-from .checkpoints import AtomicCheckpointIO
+from . import __version__
+from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
-from .lightning_internals import ddp_timeout, is_subprocess_launcher, set_ddp_timeout
+from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .predictions import PredictionWriter
 from .processes import (
     LAUNCHER_PID,
@@ -85,12 +86,13 @@ class RunConfigSaver(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         # The whole resolved configuration (every class, every argument) to every logger, as one YAML text
         # under "config" (CSV: hparams.yaml; TensorBoard: its hparams tab), not only to the first one's dir.
+        # With the version of ddpkit that ran it (hparams.yaml's `ddpkit_version`).
         config = self.parser.dump(self.config, skip_none=False)
         for logger in trainer.loggers:
-            logger.log_hyperparams({"config": config})
+            logger.log_hyperparams({"config": config, VERSION_KEY: __version__})
 
 
-class CLI(LightningCLI):
+class CLI(SubcommandCLI):
     """`LightningCLI` plus checks before anything starts, a collective timeout, graceful stop, atomic checkpoints."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -178,37 +180,55 @@ class CLI(LightningCLI):
 
     # --- strategy timeout, graceful stop, atomic checkpoints ------------------------------------------
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        timeout = timedelta(seconds=self._get(self.config, "dist_timeout"))
-        strategy = config.get("strategy")
+    def setting(self, key: str) -> Any:
+        """A top-level option of this run (`--dist_timeout`), under the subcommand when there is one."""
+        return (self.config[self.subcommand] if self.subcommand else self.config)[key]
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer = {**config.get("trainer", {}), **kwargs}
+        timeout = timedelta(seconds=self.setting("dist_timeout"))
+        strategy = trainer.get("strategy")
         if strategy == "ddp":  # the registry's "ddp" is DDPStrategy() with a 30-minute timeout
-            config["strategy"] = TimedDDPStrategy(timeout=timeout)
+            kwargs["strategy"] = TimedDDPStrategy(timeout=timeout)
         elif isinstance(strategy, DDPStrategy) and ddp_timeout(strategy) in (None, default_pg_timeout):
             # A DDPStrategy built from a class path gets torch's 30-minute default, never None.
             set_ddp_timeout(strategy, timeout)
-        plugins = config.get("plugins") or []
+        plugins = trainer.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
-            config["plugins"] = [*plugins, AtomicCheckpointIO()]
-        stop = GracefulStop(self._get(self.config, "stop_check_every_n_steps"))
-        requeue = [SlurmRequeue()] if self._get(self.config, "slurm_requeue") else []
-        configured = [*(config.get("callbacks") or []), *callbacks]
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        # The trainer's callbacks and those given as top-level options of their own (--doctor.*).
+        own = [v for v in vars(config).values() if isinstance(v, Callback)]
+        configured = [*(trainer.get("callbacks") or []), *own]
+        stop = GracefulStop(self.setting("stop_check_every_n_steps"))
+        requeue = [SlurmRequeue()] if self.setting("slurm_requeue") else []
         writes = self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured)
         writer = [PredictionWriter()] if writes else []  # else predictions stay in memory, per rank
         # The learning rate of each parameter group, at every logged step, to every logger (fit only; it needs one).
-        monitors = config.get("logger") and not any(isinstance(c, LearningRateMonitor) for c in configured)
+        monitors = trainer.get("logger") and not any(isinstance(c, LearningRateMonitor) for c in configured)
         lr = [LearningRateMonitor(logging_interval="step")] if self.subcommand == "fit" and monitors else []
-        return super()._instantiate_trainer(config, [*callbacks, stop, *requeue, *writer, *lr])
+        # Lightning appends `trainer_defaults["callbacks"]` after the configured ones, the documented place for
+        # callbacks a CLI always adds (after --doctor's: the doctor's step ends before the stop check's all-reduce).
+        defaults = self.trainer_defaults
+        given = defaults.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        added = [stop, *requeue, *writer, *lr, RecordVersion()]
+        self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
+        try:
+            return super().instantiate_trainer(**kwargs)
+        finally:  # for this trainer only: another call must not add them twice
+            self.trainer_defaults = defaults
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 
-    def _run_subcommand(self, subcommand: str) -> None:
+    def run_subcommand(self, subcommand: str) -> None:
         launcher = self.trainer.strategy.launcher
         try:
             if is_subprocess_launcher(launcher):
                 register_launcher(launcher)
                 watch_children()
-            super()._run_subcommand(subcommand)
+            super().run_subcommand(subcommand)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 # Lightning keeps the process group to the end; gloo's destructor at interpreter exit then
                 # aborted a finished job now and then ("terminate called without an active exception").
@@ -453,6 +473,13 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     saved_class = hparams.pop("_class_path", None)
     hparams.pop("_instantiator", None)
     configured = model_config.get("class_path") if hasattr(model_config, "get") else None
+    saved_version = checkpoint.get(VERSION_KEY)
+    if saved_version and saved_version != __version__ and rank_label() == "0":
+        # Defaults, checkpoint contents or the resume logic may have changed between the two versions.
+        sys.stderr.write(
+            f"warning: --ckpt_path {ckpt_path} was written by ddpkit {saved_version}; this is ddpkit {__version__}: "
+            "compare the two versions' changes before trusting a resumed run to match an uninterrupted one\n"
+        )
     if saved_class and configured and saved_class != configured:
         raise BadInput(
             f"--ckpt_path {ckpt_path} was saved by model {saved_class}, but the model is {configured}: "
@@ -486,8 +513,9 @@ def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
 def main(default_config: str | Path, args: list[str] | None = None, run: bool = True) -> CLI:
     """A project's `main.py`: parse `args` (else sys.argv) over `default_config` and run the subcommand;
     with `run=False` only build model, data and trainer. Model and data classes come from the config."""
-    # Lightning's progress bar when `rich` is not installed (TQDM) redraws after every step: ~0.4 ms of CPU
-    # per step. Every 10th step (and each epoch's last) is enough to watch; export TQDM_MINITERS to change it.
+    # Lightning's progress bar when `rich` is not installed (TQDM) redraws after every step, a few tenths of a
+    # ms of CPU each (measured: ddp-template's docs/measurements.md). Every 10th step (and each epoch's last)
+    # is enough to watch; export TQDM_MINITERS to change it.
     os.environ.setdefault("TQDM_MINITERS", "10")
     parser_kwargs = {"default_config_files": [str(default_config)]}
     return CLI(

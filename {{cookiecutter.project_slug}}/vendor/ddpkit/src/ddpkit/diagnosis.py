@@ -105,8 +105,8 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
                 "other_ms": step_ms - data_ms - busy_ms,
                 "work_ms": data_ms + busy_ms - comm_ms,  # the rank's own work; comm includes waiting for others
                 # Without its waits for a CPU, which are the host's (host-contention), not a slower rank: the
-                # straggler verdict reads this (a loaded host once made a rank of the sleeping-loader case a
-                # "straggler" in CI); the gap (ddp/gap.py) takes the waits out part by part itself.
+                # straggler verdict reads this, so a loaded host is not called a straggler; the gap (gap.py)
+                # takes the waits out part by part itself.
                 "own_work_ms": data_ms + busy_ms - comm_ms - data_contention_ms - busy_contention_ms,
                 # Run-queue waits: the training thread was ready but had no CPU (in the step / data / busy part),
                 # and the all-reduce's threads while it was in flight; "contention_ms" holds both.
@@ -255,7 +255,8 @@ def contention_cause(s: dict) -> str:
     ranks = s["ranks"]
     comm_wait = sum(r.get("comm_contention_ms", 0.0) for r in ranks)
     if comm_wait >= 0.5 * sum(r["contention_ms"] for r in ranks) > 0:
-        # Measured: 2 ranks x 1 thread on 2 cores, idle host: gloo waited ~2 ms of each 3 ms all-reduce.
+        # Ranks on every core leave gloo's threads waiting for one even on an idle host (measured: ddp-template's
+        # docs/measurements.md).
         return "mostly gloo's all-reduce threads, with every core taken by the ranks or other processes"
     return "other processes on the host"
 
@@ -276,7 +277,7 @@ def format_report(s: dict) -> str:
     lines = [
         f"Scaling doctor: {s['world_size']} x {s['device']}, {s['steps']} steps, "
         f"{s['samples_per_s']:.0f} samples/s ({s['samples_per_s_per_device']:.0f} per device), "
-        f"{s['steps_per_s']:.1f} steps/s",
+        f"{s['steps_per_s']:.1f} steps/s" + (f" (ddpkit {s['ddpkit_version']})" if s.get("ddpkit_version") else ""),
         f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "
         f"{s.get('cpu_threads_per_rank')} torch threads per rank, {s.get('num_workers')} loader workers per rank",
         "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | cpu wait ms | gc ms | peak MB",

@@ -48,8 +48,9 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from . import __version__
 from .diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, format_report, summarize
-from .lightning_internals import wrap_fetch_hooks
+from .lightning_internals import ddp_comm_hook, wrap_fetch_hooks
 
 
 class _Totals:
@@ -87,9 +88,9 @@ class _RunQueue:
 
 class _OtherThreadsRunQueue:
     """Seconds the process's threads other than the calling one have spent runnable but waiting for a CPU,
-    summed, as a clock. On CPUs gloo's threads carry the all-reduce: on 2 ranks on 2 cores they waited
-    ~2 ms of a 3 ms all-reduce of the digits example, which the training thread (blocked meanwhile) never
-    sees. Reading ~10 threads costs ~20 us."""
+    summed, as a clock. On CPUs gloo's threads carry the all-reduce: when the ranks take every core they wait
+    for one for most of it, which the training thread (blocked meanwhile) never sees (measured: ddp-template's
+    docs/measurements.md)."""
 
     def __init__(self) -> None:
         self._own = str(threading.get_native_id())
@@ -138,9 +139,9 @@ class ScalingDoctor(L.Callback):
             other batches count only towards throughput.
         summary_file: Name of the JSON summary written into the run's log directory; empty for none.
         measure_comm: Time the gradient all-reduce with a DDP comm hook. Off by default: a Python comm
-            hook replaces DDP's built-in C++ all-reduce, which cost 1-2 ms per step on the benchmark's CPU
-            steps (benchmarks/README.md); without it the all-reduce counts as compute. scaling.py turns
-            it on.
+            hook replaces DDP's built-in C++ all-reduce, about 1-2 ms more per step on CPU processes
+            (ddp-template's docs/measurements.md); without it the all-reduce counts as compute. scaling.py
+            turns it on.
         min_step_ms: See `Thresholds`.
         straggler_wait_share: See `Thresholds`.
         data_wait_share: See `Thresholds`.
@@ -203,7 +204,7 @@ class ScalingDoctor(L.Callback):
         model = trainer.strategy.model
         # The strategy has wrapped the model by now and no backward has run yet: the last moment to add a hook.
         if self.measure_comm and isinstance(model, DistributedDataParallel):
-            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            if ddp_comm_hook(trainer.strategy) is not None:
                 rank_zero_warn("ScalingDoctor: a DDP comm hook is already registered; all-reduce time not measured.")
             else:
                 model.register_comm_hook(model.process_group, self._timed_allreduce)
@@ -364,8 +365,8 @@ class ScalingDoctor(L.Callback):
     def _step_min_comm_ms(self, trainer: L.Trainer, steps: int) -> float | None:
         """Mean over the report's last timed steps (at most STEP_SAMPLE) of the least all-reduce time of any
         rank in that step: the transfer itself. The rank that waits least on average still waited on the
-        steps where another rank came later (ranks take turns at being last), which is jitter, not transfer:
-        on the digits example 2.9 ms per step against 3.6 ms for the least-waiting rank's mean."""
+        steps where another rank came later (ranks take turns at being last), which is jitter, not transfer
+        (about a fifth of that rank's mean on 2 CPU processes: ddp-template's docs/measurements.md)."""
         own = list(self._step_comm)[-steps:] if steps else []
         tail = torch.full((STEP_SAMPLE,), float("nan"), dtype=torch.float64)
         if own:
@@ -385,6 +386,7 @@ class ScalingDoctor(L.Callback):
         loader = trainer.train_dataloader
         grads = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         return {
+            "ddpkit_version": __version__,  # the code behind these numbers and this verdict
             "device": self._device.type,
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "comm_measured": self._comm_measured,

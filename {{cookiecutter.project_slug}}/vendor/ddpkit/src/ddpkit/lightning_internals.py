@@ -1,9 +1,8 @@
-"""Every private name of Lightning or torch that the template relies on, in one place.
+"""Every private name of Lightning or torch that ddpkit relies on, in one place.
 
-Each is a debt: a new release may rename or remove it. `tests/test_lightning_internals.py` checks
-every name in `PRIVATE_NAMES` (and the behaviour of the helpers below) and fails naming the Lightning
-and torch versions, so an upgrade says at once what moved. The CLI also overrides two private methods
-of `LightningCLI` (`_instantiate_trainer`, `_run_subcommand`); they are listed here for the same test.
+Each is a debt: a new release may rename or remove it. ddpkit's own tests check every name in `PRIVATE_NAMES`
+(and the behaviour of the helpers below) and fail naming the Lightning and torch versions, so an upgrade says
+at once what moved; they also fail when any other module of ddpkit uses a private name of Lightning or torch.
 Measured against Lightning 2.6.6 and torch 2.13.0.
 """
 
@@ -12,17 +11,17 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as checkpoint_wrapper
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-# (owner, attribute): what must exist for the helpers below and the CLI's overrides to work.
+# (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
+# `_timeout` and `_ddp_comm_hook`, a ThroughputMonitor's `_throughputs`) are tested through their helpers.
 PRIVATE_NAMES: list[tuple[Any, str]] = [
-    (LightningCLI, "_instantiate_trainer"),
     (LightningCLI, "_run_subcommand"),
-    (LightningCLI, "_get"),
     (_TrainingEpochLoop, "_broadcast_sigterm_tensor"),
     (_TrainingEpochLoop, "_on_before_fetch"),
     (_TrainingEpochLoop, "_on_after_fetch"),
@@ -31,7 +30,23 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (ModelCheckpoint, "_save_last_checkpoint"),
     (ModelCheckpoint, "_monitor_candidates"),
     (torch.distributed.distributed_c10d, "_set_pg_timeout"),
+    (checkpoint_wrapper, "apply_activation_checkpointing"),
 ]
+
+
+class SubcommandCLI(LightningCLI):
+    """`LightningCLI` with a public method around the whole run of a subcommand, which Lightning lacks.
+
+    Lightning runs `before_fit`, `trainer.fit` and `after_fit` from its private `_run_subcommand`; a failure in
+    any of them is seen only by overriding it. Override `run_subcommand` instead.
+    """
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        self.run_subcommand(subcommand)
+
+    def run_subcommand(self, subcommand: str) -> None:
+        """Run `before_<subcommand>`, the trainer's `<subcommand>` and `after_<subcommand>`."""
+        super()._run_subcommand(subcommand)
 
 
 def is_subprocess_launcher(launcher: Any) -> bool:
@@ -51,6 +66,28 @@ def ddp_timeout(strategy: DDPStrategy) -> timedelta | None:
 
 def set_ddp_timeout(strategy: DDPStrategy, timeout: timedelta) -> None:
     strategy._timeout = timeout
+
+
+def ddp_comm_hook(strategy: Any) -> Callable | None:
+    """The DDP communication hook a DDPStrategy was given (`ddp_comm_hook=`, registered by Lightning on CUDA);
+    None for other strategies."""
+    return getattr(strategy, "_ddp_comm_hook", None)
+
+
+def set_throughput_peak(monitor: ThroughputMonitor, peak_flops: float) -> None:
+    """Make a ThroughputMonitor compute MFU against `peak_flops`, after its `setup` chose its own figure."""
+    monitor.available_flops = peak_flops
+    for throughput in monitor._throughputs.values():  # one per stage, built by setup with the old figure
+        throughput.available_flops = peak_flops
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, check_fn: Callable[[torch.nn.Module], bool]) -> None:
+    """Recompute the activations of each submodule for which `check_fn` is true during backward (in place).
+
+    torch's own module wrapper (non-reentrant); state-dict keys stay unchanged. torch 2.13 has no public
+    equivalent for modules (`torch.utils.checkpoint` wraps a function call).
+    """
+    checkpoint_wrapper.apply_activation_checkpointing(model, check_fn=check_fn)
 
 
 def set_process_group_timeout(timeout: timedelta) -> None:

@@ -2,7 +2,7 @@
 
 A run is a Lightning log directory (`lightning_logs/version_N`): its
 `checkpoints/last.ckpt` holds the final weights, and its TensorBoard file and
-(with a CSVLogger) its `metrics.csv` the logged scalars. `tests/test_parity.py` compares runs with these functions; do
+(with a CSVLogger) its `metrics.csv` the logged scalars. `ddpkit.testing.test_parity` compares runs with these; do
 the same with your own runs from the command line:
 
     python -m ddpkit.parity one/lightning_logs/version_0 two/lightning_logs/version_0

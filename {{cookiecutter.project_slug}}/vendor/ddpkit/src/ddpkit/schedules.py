@@ -1,8 +1,9 @@
 """Learning-rate schedules that count optimizer steps, and the glue from a module's callables to Lightning.
 
 A schedule that advances once per optimizer step (not per sample, nor per batch of one rank) is the
-same on any number of devices: step k has the same global batch everywhere (the promise in
-docs/design.md), so it gets the same learning rate. `tests/test_parity.py` checks it on 1 vs 2 devices.
+same on any number of devices: step k has the same global batch everywhere (the promise of
+`GlobalBatchDataModule`), so it gets the same learning rate. `ddpkit.testing`'s parity suite checks it on
+1 vs 2 devices.
 """
 
 import math

@@ -15,6 +15,8 @@ from typing import Literal
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
+from .lightning_internals import apply_activation_checkpointing
+
 
 def shard_layers(model: nn.Module, layers: Iterable[nn.Module], device_mesh, activation_checkpointing: bool = False):
     """Shard each of `layers`, then the rest of `model`, over the data-parallel dimension of `device_mesh`.
@@ -32,8 +34,6 @@ def shard_layers(model: nn.Module, layers: Iterable[nn.Module], device_mesh, act
 
     layers = list(layers)
     if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
         chosen = {id(layer) for layer in layers}
         apply_activation_checkpointing(model, check_fn=lambda module: id(module) in chosen)
     mesh = device_mesh["data_parallel"]

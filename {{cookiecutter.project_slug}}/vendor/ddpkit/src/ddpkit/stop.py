@@ -43,14 +43,14 @@ class GracefulStop(Callback):
     signal therefore stops training within `check_every_n_steps` + 1 steps. With
     one process there is nothing to agree on and the flag is read every step.
     This also takes over Lightning 2.6's own per-step check, a blocking broadcast
-    of rank 0's SIGTERM flag that only knows rank 0's signals and was a second
-    sync point per step (benchmarks/README.md).
+    of rank 0's SIGTERM flag that only knows rank 0's signals and is a second
+    sync point per step.
 
     Args:
         check_every_n_steps: Training batches between the ranks' exchanges. Each
-            cost ~0.8 ms on 2 CPU processes (gloo wakes a thread on every rank;
-            not measured with NCCL); lower it when steps are long and the
-            scheduler's grace period is short.
+            costs about 0.8 ms on 2 CPU processes (gloo wakes a thread on every
+            rank; ddp-template's docs/measurements.md); lower it when steps are
+            long and the scheduler's grace period is short.
     """
 
     def __init__(self, check_every_n_steps: int = 10) -> None:

@@ -16,6 +16,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
+from .lightning_internals import set_throughput_peak
+
 # Dense peak FLOP/s per GPU by compute dtype, from NVIDIA's datasheets; "fp32" is the plain
 # (non-tensor-core) rate. Matched against the lower-cased device name: first match wins, so
 # specific names come first.
@@ -85,6 +87,4 @@ class MFUThroughputMonitor(ThroughputMonitor):
                 warnings.filterwarnings("ignore", message="FLOPs not found")
             super().setup(trainer, pl_module, stage)
         if peak is not None:
-            self.available_flops = peak
-            for throughput in self._throughputs.values():  # built by super().setup with Lightning's figure
-                throughput.available_flops = peak
+            set_throughput_peak(self, peak)
