@@ -29,13 +29,15 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
         compute = torch.promote_types(x.dtype, torch.float32)  # half-precision inputs: statistics in float32
         xc = x.to(compute)
         count = xc.numel() // xc.size(1)
-        # Each rank's count, mean and sum of squared deviations from its own mean (two passes, not
+        # Each rank's count, mean and sum of squared deviations from its own mean (torch's var_mean, not
         # sum(x^2) - sum(x)^2/n, which cancels catastrophically in float32 when |mean| >> std), gathered rather
         # than summed so that Chan's formula can combine them; every rank combines the same gathered tensor in
         # the same order, so every rank gets the same bits. An empty share counts 0 and adds nothing.
-        mean = xc.sum(dims) / max(count, 1)
-        m2 = (xc - mean.view(shape)).square().sum(dims)
-        local = torch.stack([torch.full_like(mean, count), mean, m2])  # (3, C)
+        if count:
+            var, mean = torch.var_mean(xc, dims, correction=0)
+        else:
+            var = mean = xc.new_zeros(xc.size(1))
+        local = torch.stack([torch.full_like(mean, count), mean, var * count])  # (3, C)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         counts, means, m2s = torch.stack(gathered).unbind(1)  # each (world, C)
@@ -155,3 +157,16 @@ class SyncBatchNormAnyDevice(TorchSyncBatchNorm):
         for name, child in model.named_children():
             model.add_module(name, self.revert(child))
         return model
+
+
+def unsynced_batchnorm_warning(model: nn.Module, world_size: int, synced: bool) -> str | None:
+    """One line when `model`'s BatchNorm layers would train on `world_size` > 1 processes unsynchronized, else None."""
+    layers = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    if synced or world_size < 2 or not layers:
+        return None
+    return (
+        f"warning: {type(model).__name__} has {len(layers)} BatchNorm layer{'s' if len(layers) > 1 else ''} "
+        f"({layers[0]}{', ...' if len(layers) > 1 else ''}) and {world_size} processes: each would normalize by its "
+        f"own share of the batch, so {world_size} devices would not train what 1 device trains; add "
+        "--trainer.sync_batchnorm true (statistics over the whole batch, on CPU as on GPU)."
+    )
