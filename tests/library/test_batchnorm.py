@@ -279,28 +279,40 @@ trainer:
   logger: false
   enable_progress_bar: false
   enable_model_summary: false
-  plugins: ddpkit.batchnorm.SyncBatchNormAnyDevice
 """
 MAIN = "from pathlib import Path\nfrom ddpkit.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
 
 
 def test_cli_fit_on_two_processes_equals_one(tmp_path):
-    """`fit` with the plugin on 2 CPU processes trains a BatchNorm CNN's weights and running stats as 1 process."""
+    """`fit --trainer.sync_batchnorm true` on 2 CPU processes (the plugin given by name does the same) trains a
+    BatchNorm CNN's weights and running stats as 1 process; without the switch, rank 0 warns once, naming it,
+    before training starts, and a synced run does not warn."""
     (tmp_path / "config.yaml").write_text(CONFIG)
     (tmp_path / "main.py").write_text(MAIN)
     env = {"PYTHONPATH": str(HERE)}
+    runs = {
+        "1": ["--trainer.devices", "1"],
+        "2": ["--trainer.devices", "2", "--trainer.sync_batchnorm", "true"],
+        "plugin": ["--trainer.devices", "2", "--trainer.plugins", "ddpkit.batchnorm.SyncBatchNormAnyDevice"],
+        "unsynced": ["--trainer.devices", "2", "--trainer.max_steps", "1"],
+    }
     procs = {
-        devices: start([sys.executable, "main.py", "fit", "--trainer.devices", str(devices),
-                        "--trainer.default_root_dir", str(tmp_path / str(devices))], tmp_path, env)
-        for devices in (1, 2)
+        name: start([sys.executable, "main.py", "fit", *args, "--trainer.default_root_dir", str(tmp_path / name)],
+                    tmp_path, env)
+        for name, args in runs.items()
     }  # fmt: skip
-    for devices, proc in procs.items():
-        result = finish(proc, timeout=300)
-        assert result.returncode == 0, f"{devices} devices:\n{result.stdout[-4000:]}"
-    one, two = (load_weights(next((tmp_path / d / "checkpoints").glob("*.ckpt"))) for d in ("1", "2"))
+    results = {name: finish(proc, timeout=300) for name, proc in procs.items()}
+    for name, result in results.items():
+        assert result.returncode == 0, f"{name}:\n{result.stdout[-4000:]}"
+    warned = {name: [line for line in r.stdout.splitlines() if "BatchNorm layers" in line] for name, r in results.items()}
+    assert len(warned["unsynced"]) == 1 and "--trainer.sync_batchnorm true" in warned["unsynced"][0]
+    assert warned["1"] == warned["2"] == warned["plugin"] == []
+    weights = {name: load_weights(next((tmp_path / name / "checkpoints").glob("*.ckpt"))) for name in ("1", "2", "plugin")}
+    one = weights["1"]
     assert {k for k in one if "running_var" in k} == {"net.1.running_var", "net.4.running_var", "net.8.running_var"}
-    assert one["net.1.num_batches_tracked"].item() == two["net.1.num_batches_tracked"].item() == 16
-    assert max_abs(one, two) <= BOUND
+    assert one["net.1.num_batches_tracked"].item() == weights["2"]["net.1.num_batches_tracked"].item() == 16
+    assert max_abs(one, weights["2"]) <= BOUND
+    assert max_abs(weights["2"], weights["plugin"]) == 0.0
 
 
 def test_warning_names_the_switch_only_when_batchnorm_runs_unsynced_on_several_processes():

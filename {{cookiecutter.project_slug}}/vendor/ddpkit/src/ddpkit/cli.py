@@ -22,10 +22,12 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
 from . import __version__
+from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
@@ -164,6 +166,9 @@ class CLI(SubcommandCLI):
         if self.datamodule is not None and not isinstance(self.datamodule, GlobalBatchDataModule):
             if rank_label() == "0" and self.subcommand:
                 sys.stderr.write(plain_datamodule_warning(self.datamodule) + "\n")
+        batchnorm = unsynced_batchnorm_warning(self.model, self.trainer.world_size, self.batchnorm_synced)
+        if batchnorm and self.subcommand == "fit" and rank_label() == "0":
+            sys.stderr.write(batchnorm + "\n")
         ckpt_path = config.get("ckpt_path")
         try:
             check_optimizer_flags(config, self.model)
@@ -196,6 +201,10 @@ class CLI(SubcommandCLI):
             set_ddp_timeout(strategy, timeout)
         plugins = trainer.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
+        if trainer.get("sync_batchnorm") and not any(isinstance(p, LayerSync) for p in plugins):
+            # Lightning's plugin for the flag, torch's SyncBatchNorm, fails on CPU; this one runs on any device.
+            plugins = kwargs["plugins"] = [*plugins, SyncBatchNormAnyDevice()]
+        self.batchnorm_synced = any(isinstance(p, LayerSync) for p in plugins)
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         # The trainer's callbacks and those given as top-level options of their own (--doctor.*).
