@@ -1,7 +1,8 @@
 """What config.yaml selects, measured the way main.py builds it: the guarantee tests follow these numbers.
 
-`python tests/configured.py [main.py arguments]` prints one JSON line; `describe()` runs it in a
-subprocess (building a Trainer in the test process would set up its environment there).
+`python -m ddpkit.testing.configured [main.py arguments]`, run in the project's directory, prints one JSON
+line; `describe()` runs it in a subprocess (building a Trainer in the test process would set up its
+environment there).
 """
 
 import inspect
@@ -10,13 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parents[1]
+from .helpers import project
 
 
 def describe(*args: str) -> dict:
     """Sizes and steps of the configured data module, and what the configured model overrides."""
-    cmd = [sys.executable, __file__, *args]
-    result = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=180)
+    cmd = [sys.executable, "-m", "ddpkit.testing.configured", *args]
+    result = subprocess.run(cmd, cwd=project(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -24,7 +25,7 @@ def describe(*args: str) -> dict:
 def _measure(args: list[str]) -> dict:
     import lightning as L
 
-    sys.path.insert(0, str(PROJECT))
+    sys.path.insert(0, str(Path.cwd()))  # the project, as `python main.py` puts main.py's directory first
     from ddpkit import GlobalBatchDataModule
 
     from main import main

@@ -1,7 +1,10 @@
-"""Run `main.py` in a subprocess with a hard timeout, as the tests and users' own checks do."""
+"""Run the project's `main.py` in a subprocess with a hard timeout, as the suite and users' own checks do.
+
+The project is the directory pytest runs in (its rootdir, where pyproject.toml is): the plugin sets it
+with `set_project` before any test runs; outside pytest it is the working directory.
+"""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -9,12 +12,21 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
+_project = Path.cwd()
 
-from ddpkit.parity import load_weights
 
-PROJECT = Path(__file__).resolve().parents[1]
-MAIN = PROJECT / "main.py"
+def set_project(root: Path) -> None:
+    global _project
+    _project = Path(root).resolve()
+
+
+def project() -> Path:
+    """The project's root directory: where its main.py, config.yaml and cluster/ scripts are."""
+    return _project
+
+
+def main_py() -> Path:
+    return _project / "main.py"
 
 
 def start(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
@@ -32,7 +44,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     except subprocess.TimeoutExpired:
         kill(proc)
         out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(proc.args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+        raise AssertionError(f"{' '.join(map(str, proc.args))} timed out after {timeout}s:\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
@@ -50,7 +62,7 @@ def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = Non
     The run gets its own session, so the DDP ranks it launches share one process
     group and a hang ends with all of them killed instead of blocking the suite.
     """
-    return finish(start([sys.executable, str(MAIN), *args], cwd, env), timeout)
+    return finish(start([sys.executable, str(main_py()), *args], cwd, env), timeout)
 
 
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
@@ -66,27 +78,3 @@ def concurrently(job: Callable, names: Iterable[str]) -> dict:
     names = list(names)
     with ThreadPoolExecutor(len(names)) as pool:
         return dict(zip(names, pool.map(job, names), strict=True))
-
-
-# torch.compile on CPU writes C++ and builds it with the system's compiler (CXX, else g++ / c++ / clang++).
-needs_compiler = pytest.mark.skipif(
-    not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c),
-    reason="torch.compile on CPU needs a C++ compiler (set CXX or install g++)",
-)
-
-
-def fit_eager_and_compiled(root: Path, *args: str, timeout: float = 600) -> tuple[dict, dict]:
-    """`main.py fit *args` twice at once on 1 CPU process in float64, as written and with `--model.compile
-    true` (a module that takes a `compile` argument, like the examples); the weights of each run's last
-    checkpoint. The compiled run's first steps wait for torch.compile (tens of seconds on CPU)."""
-    common = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "64-true")
-    common += ("--trainer.enable_progress_bar", "false", "--doctor.enabled", "false")
-
-    def fit(name: str) -> dict:
-        compiled = ("--model.compile", "true") if name == "compiled" else ()
-        out = ("--trainer.default_root_dir", str(root / name))
-        run_ok("fit", *args, *common, *compiled, *out, cwd=root, timeout=timeout)
-        return load_weights(root / name / "lightning_logs/version_0/checkpoints/last.ckpt")
-
-    runs = concurrently(fit, ("eager", "compiled"))
-    return runs["eager"], runs["compiled"]
