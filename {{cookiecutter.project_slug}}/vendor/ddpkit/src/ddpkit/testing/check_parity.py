@@ -260,7 +260,7 @@ def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
     step (it rises through the warmup, then falls) and end with the same weights (float64 bound)."""
     if not steps["takes_scheduler"]:
         pytest.skip("the configured model takes no scheduler argument")
-    one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]  # every float64 run has the schedule (runs.py)
+    one, two = cpu_runs["1dev-lr-fp64"], cpu_runs["2dev-lr-fp64"]
     lr = [{t: v for t, v in read_csv_scalars(run.version).items() if t.startswith("lr-")} for run in (one, two)]
     assert lr[0] and lr[0] == lr[1]  # the same float64 values, exactly
     for values in lr[0].values():

@@ -4,10 +4,14 @@ The project is the directory pytest runs in (its rootdir, where pyproject.toml i
 with `set_project` before any test runs; outside pytest it is the working directory.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,13 +60,65 @@ def kill(proc: subprocess.Popen) -> None:
         pass  # the whole group has already exited
 
 
-def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python main.py *args`; on timeout kill every process it started, then fail.
+class ForkServer:
+    """The client of forkserver.py: runs of main.py forked from one process that has imported it."""
 
-    The run gets its own session, so the DDP ranks it launches share one process
-    group and a hang ends with all of them killed instead of blocking the suite.
+    def __init__(self) -> None:
+        self.lock, self.server = threading.Lock(), None
+
+    def fork(self, args: list[str], cwd: Path, env: dict, log: Path) -> int:
+        """Start `python main.py *args` (forked); return its pid, which is also its process group."""
+        with self.lock:
+            if self.server is None or self.server.poll() is not None:
+                server = [sys.executable, str(Path(__file__).with_name("forkserver.py")), str(project())]
+                # One thread per process, as each run gets: torch reads it when the server imports it.
+                server_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                self.server = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                               env=server_env, start_new_session=True)  # fmt: skip
+            request = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env, "log": str(log)}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            line = self.server.stdout.readline()
+        assert line.strip().isdigit(), f"the fork server did not start the run: {line!r}"
+        return int(line)
+
+
+FORK_SERVER = ForkServer()
+
+
+def alive(group: int) -> bool:
+    """Whether any process of the process group `group` is still running."""
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that is not ours: still running
+        return True
+
+
+def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None, log: Path | None = None):
+    """Run `python main.py *args` (forked from a process that has imported main.py once, forkserver.py); on
+    timeout kill every process it started, then fail. Returns a CompletedProcess with the output.
+
+    The run gets its own session, so the DDP ranks it launches share one process group, and the run has
+    finished when the whole group has: a hang ends with all of them killed instead of blocking the suite.
     """
-    return finish(start([sys.executable, str(main_py()), *args], cwd, env), timeout)
+    if log is None:
+        log = Path(tempfile.mkstemp(prefix="main-", suffix=".log")[1])
+    rc = Path(f"{log}.rc")
+    rc.unlink(missing_ok=True)
+    env = {"PYTHONUNBUFFERED": "1", **(env or {})}
+    pid = FORK_SERVER.fork(list(args), cwd, env, log)
+    deadline = time.monotonic() + timeout
+    while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
+        if time.monotonic() > deadline:
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+            out = log.read_text()
+            raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
+        time.sleep(0.05)
+    return subprocess.CompletedProcess(["main.py", *args], int(rc.read_text()), log.read_text(), None)
 
 
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:

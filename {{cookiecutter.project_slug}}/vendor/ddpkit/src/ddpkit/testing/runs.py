@@ -2,10 +2,11 @@
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
 three waves; every run of a wave starts at once (each run is mostly start-up, which overlaps):
-1. 1 and 2 devices in float64, which the others are compared with. They add a CSV logger to the configured
-   ones and, when the model takes one, a warmup + cosine learning-rate schedule (as every float64 run).
+1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
+   ones.
 2. 1 and 2 devices in float32 and in bf16-mixed, `torchrun`, gradient accumulation (1 device x 4
-   micro-batches, 2 devices x 2), two torchrun "nodes", and sharded training when the module shards.
+   micro-batches, 2 devices x 2), two torchrun "nodes", sharded training when the module shards, and, when
+   the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
    the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices, `fit
    --ckpt_path last` continuing a finished run, and a 2-node SLURM job that is signalled, requeued and
@@ -31,7 +32,7 @@ import torch
 from ..parity import load_weights
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .fake_cuda import save_as_cuda
-from .helpers import concurrently, finish, main_py, project, start
+from .helpers import concurrently, finish, main_py, project, run_main, start
 
 
 @dataclass
@@ -87,11 +88,7 @@ def parity_args() -> list[str]:
 
 
 def schedule_args(steps: dict) -> list[str]:
-    """A warmup + cosine schedule for every float64 run, when the model takes a `scheduler` argument: resumes,
-    accumulation and the launchers are then checked with a schedule too (it must step per optimizer step and
-    resume where it was)."""
-    if not steps["takes_scheduler"]:
-        return []
+    """A warmup + cosine schedule (for a model that takes a `scheduler` argument)."""
     warmup = str(max(1, steps["steps_per_epoch"] // 2))
     return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
@@ -123,11 +120,10 @@ def torchrun_cmd(*args: str) -> list[str]:
 
 
 def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str) -> list[str]:
-    schedule = schedule_args(steps) if precision == "64-true" else []
     return [
         "fit",
         *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
-        *("--trainer.precision", precision, *run_args(steps), *schedule, *extra, *parity_args()),
+        *("--trainer.precision", precision, *run_args(steps), *extra, *parity_args()),
     ]
 
 
@@ -143,14 +139,17 @@ def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[st
 
 def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Callable[[], Run]:
     """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
-    non-zero exit or after `timeout` seconds (killing all it started)."""
+    non-zero exit or after `timeout` seconds (killing all it started). A run of main.py is forked from the
+    fork server (helpers.run_main); other commands (torchrun) start as they are."""
 
     def job() -> Run:
         root.mkdir(exist_ok=True)
-        # One thread per process: the runs share the cores.
-        proc = start([*cmd, "--trainer.default_root_dir", str(root)], root, {"OMP_NUM_THREADS": "1"})
-        result = finish(proc, timeout)
-        log.write_text(result.stdout)
+        full = [*cmd, "--trainer.default_root_dir", str(root)]
+        if full[1] == str(main_py()):
+            result = run_main(*full[2:], cwd=root, timeout=timeout, log=log)
+        else:  # one thread per process: the runs share the cores
+            result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)
+            log.write_text(result.stdout)
         assert result.returncode == 0, f"run {log.stem} exited {result.returncode}:\n{result.stdout[-4000:]}"
         return Run(root, log)
 
@@ -222,6 +221,10 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             jobs["2dev-acc2-fp64"] = run("2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)))
         if steps["shards"]:
             jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
+        if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
+            lr = (*schedule_args(steps), csv)
+            for n in (1, 2):
+                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", main_cmd(*fit(steps, "cpu", n, "64-true", *lr)))
         return jobs
 
     def third(runs: Waves) -> dict:
@@ -251,7 +254,7 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     waves = [
         Wave(tuple(first), lambda runs: first),
         Wave(("1dev-fp32", "2dev-fp32", "torchrun-fp64", "1dev-bf16", "2dev-bf16", "torchrun-nodes",
-              "1dev-acc4-fp64", "2dev-acc2-fp64", "sharded"), second),  # fmt: skip
+              "1dev-acc4-fp64", "2dev-acc2-fp64", "sharded", "1dev-lr-fp64", "2dev-lr-fp64"), second),  # fmt: skip
         Wave(("resume-2to1", "resume-1to2", "validate-1dev", "test-1dev", "predict-1dev", "test-2dev",
               "predict-2dev", "continue", "slurm-requeue"), third),  # fmt: skip
     ]
@@ -271,7 +274,6 @@ def cluster_args(steps: dict) -> list[str]:
     return [
         *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
         *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
-        *schedule_args(steps),
         *parity_args(),
         "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
     ]
