@@ -7,11 +7,11 @@ added to config.yaml's; `validate`, `test` and `predict` from a copy of it; `fit
 import json
 
 import pytest
-import torch
 import yaml
 
 from ..parity import read_csv_scalars, read_scalars
 from .runs import PROJECT_CONFIG, best_checkpoint
+
 
 def test_fit_writes_logs_config_and_checkpoints_under_root(cpu_runs):
     """One version dir with TensorBoard events, config.yaml, hparams.yaml, best and last checkpoints (besides the

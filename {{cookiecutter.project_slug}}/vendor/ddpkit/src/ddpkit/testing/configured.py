@@ -26,9 +26,9 @@ def _measure(args: list[str]) -> dict:
     import lightning as L
 
     sys.path.insert(0, str(Path.cwd()))  # the project, as `python main.py` puts main.py's directory first
-    from ddpkit import GlobalBatchDataModule
-
     from main import main
+
+    from ddpkit import GlobalBatchDataModule
 
     cpu = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
     cli = main([*args, *cpu], run=False)

@@ -185,7 +185,9 @@ def slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> Slurm
     outputs = lambda: [(tasks / f"task{r}.out").read_text() for r in range(2)]  # noqa: E731
     # Slow steps (no CPU) keep the first job in its second epoch until it is signalled; the requeued one is not
     # slowed. The ranks look for the signal every 10 steps (requeue.SlurmRequeue).
-    job = start(["bash", "cluster/slurm.sbatch", *args, "--trainer.callbacks.sleep_per_step", "0.2"], env, tmp / "job1.log")
+    job = start(
+        ["bash", "cluster/slurm.sbatch", *args, "--trainer.callbacks.sleep_per_step", "0.2"], env, tmp / "job1.log"
+    )
     try:
         epoch_1 = lambda: any(root.glob("lightning_logs/*/checkpoints/last.ckpt"))  # noqa: E731
         wait_for(lambda: epoch_1() or job.poll() is not None, timeout=300, what="epoch 1")

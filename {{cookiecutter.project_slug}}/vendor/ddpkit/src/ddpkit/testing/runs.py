@@ -200,6 +200,7 @@ PROJECT_CONFIG = "# the project's config.yaml\n"
 
 def shared_runs(base: Path, steps: dict) -> Waves:
     """Every CPU run the suite reads (see the module's docstring), under `base`."""
+
     def run(name: str, cmd: list[str], root: Path | None = None) -> Callable[[], Run]:
         return command(cmd, root or base / name, base / f"{name}.log")
 
@@ -237,26 +238,60 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         best = best_checkpoint(one)
         return {
             # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
-            "resume-2to1": run("resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps))))),
+            "resume-2to1": run(
+                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps))))
+            ),
             "resume-1to2": run(
-                "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"]))))
+                "resume-1to2",
+                main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))),
             ),
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
-            "predict-1dev": run("predict-1dev", main_cmd(*evaluate(steps, "predict", 1, str(one.checkpoint()))), base / "eval"),
+            "predict-1dev": run(
+                "predict-1dev", main_cmd(*evaluate(steps, "predict", 1, str(one.checkpoint()))), base / "eval"
+            ),
             "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best)))),
             "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, str(one.checkpoint())))),
             # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
-            "continue": run("continue", main_cmd(*fit(steps, "cpu", 1, "64-true", "--trainer.max_epochs", "3", "--ckpt_path", "last"))),
+            "continue": run(
+                "continue",
+                main_cmd(*fit(steps, "cpu", 1, "64-true", "--trainer.max_epochs", "3", "--ckpt_path", "last")),
+            ),
             "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"]),
         }
 
     waves = [
         Wave(tuple(first), lambda runs: first),
-        Wave(("1dev-fp32", "2dev-fp32", "torchrun-fp64", "1dev-bf16", "2dev-bf16", "torchrun-nodes",
-              "1dev-acc4-fp64", "2dev-acc2-fp64", "sharded", "1dev-lr-fp64", "2dev-lr-fp64"), second),  # fmt: skip
-        Wave(("resume-2to1", "resume-1to2", "validate-1dev", "test-1dev", "predict-1dev", "test-2dev",
-              "predict-2dev", "continue", "slurm-requeue"), third),  # fmt: skip
+        Wave(
+            (
+                "1dev-fp32",
+                "2dev-fp32",
+                "torchrun-fp64",
+                "1dev-bf16",
+                "2dev-bf16",
+                "torchrun-nodes",
+                "1dev-acc4-fp64",
+                "2dev-acc2-fp64",
+                "sharded",
+                "1dev-lr-fp64",
+                "2dev-lr-fp64",
+            ),
+            second,
+        ),  # fmt: skip
+        Wave(
+            (
+                "resume-2to1",
+                "resume-1to2",
+                "validate-1dev",
+                "test-1dev",
+                "predict-1dev",
+                "test-2dev",
+                "predict-2dev",
+                "continue",
+                "slurm-requeue",
+            ),
+            third,
+        ),  # fmt: skip
     ]
     return Waves(base, waves)
 
