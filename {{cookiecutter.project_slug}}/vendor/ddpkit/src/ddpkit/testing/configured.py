@@ -1,24 +1,22 @@
 """What config.yaml selects, measured the way main.py builds it: the guarantee tests follow these numbers.
 
 `python -m ddpkit.testing.configured [main.py arguments]`, run in the project's directory, prints one JSON
-line; `describe()` runs it in a subprocess (building a Trainer in the test process would set up its
-environment there).
+line; `describe()` runs it in a process forked from the fork server (building a Trainer in the test process
+would set up its environment there).
 """
 
 import inspect
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from .helpers import project
+from .helpers import project, run_main
 
 
 def describe(*args: str) -> dict:
     """Sizes and steps of the configured data module, and what the configured model overrides."""
-    cmd = [sys.executable, "-m", "ddpkit.testing.configured", *args]
-    result = subprocess.run(cmd, cwd=project(), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_main(*args, cwd=project(), timeout=180, entry="configured")
+    assert result.returncode == 0, result.stdout[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -59,6 +57,10 @@ def _measure(args: list[str]) -> dict:
     return info
 
 
-if __name__ == "__main__":
+def cli() -> None:
     args, sys.argv = sys.argv[1:], sys.argv[:1]  # LightningCLI reads sys.argv too when given args
     print(json.dumps(_measure(args)))
+
+
+if __name__ == "__main__":
+    cli()

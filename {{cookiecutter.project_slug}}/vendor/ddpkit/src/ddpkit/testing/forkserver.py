@@ -4,8 +4,9 @@ child per run.
 Nearly all of a small run's cost is start-up (about 5 CPU-seconds to import torch and Lightning, 1 to train
 the example 2 epochs), and the suite makes dozens of runs. The server (`python forkserver.py PROJECT`, with
 stdin a pipe) imports the project's main.py as `python main.py` would, then reads one JSON request a line
-({"args", "cwd", "env", "log"}) and answers with the pid of a forked child that runs `main.main()` with
-`sys.argv = [main.py, *args]`, in its own session, its output in `log` and its exit status in `log`.rc.
+({"args", "cwd", "env", "log", "entry"}) and answers with the pid of a forked child that runs `main.main()`
+(or, for entry "configured", configured.py's measurement) with `sys.argv = [main.py, *args]`, in its own
+session, its output in `log` and its exit status in `log`.rc.
 Everything a run starts itself is a fresh process as usual: the second rank of Lightning's launcher runs
 `python main.py <same argv>` (sys.argv and `__main__.__spec__ is None` say so, as for a script).
 
@@ -35,8 +36,12 @@ def child(request: dict, main) -> None:
         extra_path = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[1:1] = extra_path  # PYTHONPATH comes after the script's directory, as at start-up
         sys.argv = [main.__file__, *request["args"]]
+        if request.get("entry") == "configured":
+            from ddpkit.testing.configured import cli as entry
+        else:
+            entry = main.main
         try:
-            main.main()
+            entry()
             code = 0
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)

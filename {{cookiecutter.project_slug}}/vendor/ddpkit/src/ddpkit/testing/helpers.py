@@ -66,7 +66,7 @@ class ForkServer:
     def __init__(self) -> None:
         self.lock, self.server = threading.Lock(), None
 
-    def fork(self, args: list[str], cwd: Path, env: dict, log: Path) -> int:
+    def fork(self, args: list[str], cwd: Path, env: dict, log: Path, entry: str) -> int:
         """Start `python main.py *args` (forked); return its pid, which is also its process group."""
         with self.lock:
             if self.server is None or self.server.poll() is not None:
@@ -75,7 +75,7 @@ class ForkServer:
                 server_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
                 self.server = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                                env=server_env, start_new_session=True)  # fmt: skip
-            request = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env, "log": str(log)}
+            request = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env, "log": str(log), "entry": entry}
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
             line = self.server.stdout.readline()
@@ -97,7 +97,9 @@ def alive(group: int) -> bool:
         return True
 
 
-def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None, log: Path | None = None):
+def run_main(
+    *args: str, cwd: Path, timeout: float = 180, env: dict | None = None, log: Path | None = None, entry: str = "main"
+) -> subprocess.CompletedProcess:
     """Run `python main.py *args` (forked from a process that has imported main.py once, forkserver.py); on
     timeout kill every process it started, then fail. Returns a CompletedProcess with the output.
 
@@ -109,7 +111,7 @@ def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = Non
     rc = Path(f"{log}.rc")
     rc.unlink(missing_ok=True)
     env = {"PYTHONUNBUFFERED": "1", **(env or {})}
-    pid = FORK_SERVER.fork(list(args), cwd, env, log)
+    pid = FORK_SERVER.fork(list(args), cwd, env, log, entry)
     deadline = time.monotonic() + timeout
     while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
         if time.monotonic() > deadline:
