@@ -6,9 +6,8 @@ import shutil
 import lightning as L
 import pytest
 import torch
-from torch import nn
-
 from ddpkit import compile_layers
+from torch import nn
 
 # torch.compile on CPU writes C++ and builds it with the system's compiler (CXX, else g++ / c++ / clang++).
 needs_compiler = pytest.mark.skipif(

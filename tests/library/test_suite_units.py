@@ -7,11 +7,10 @@ import sys
 
 import pytest
 import torch
-from jsonargparse import Namespace
-
 from ddpkit.cli import main, place_loggers
 from ddpkit.parity import diff, max_abs
 from ddpkit.requeue import next_hpc_checkpoint
+from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,15 +57,16 @@ def test_loggers_take_the_slurm_job_id_as_version(tmp_path, monkeypatch):
     assert loggers[0].init_args.version == 1234
 
 
-# Builds the trainer (run=False) of the toy config (tests/library/toy.yaml) for three ways of naming the strategy; prints each one's
-# collective timeout. In a subprocess: building a Trainer sets up its environment.
+# Builds the trainer (run=False) of the toy config (tests/library/toy.yaml) for three ways of naming the strategy;
+# prints each one's collective timeout. In a subprocess: building a Trainer sets up its environment.
 TIMEOUTS = """
 from ddpkit.cli import main
 from ddpkit.lightning_internals import ddp_timeout
 
 cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false", "--dist_timeout", "20"]
 ddp = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"]
-for extra in (["--trainer.strategy", "ddp"], [*ddp, "--trainer.strategy.bucket_cap_mb", "50"], [*ddp, "--trainer.strategy.timeout", "0:00:45"]):
+bucket, timeout = [*ddp, "--trainer.strategy.bucket_cap_mb", "50"], [*ddp, "--trainer.strategy.timeout", "0:00:45"]
+for extra in (["--trainer.strategy", "ddp"], bucket, timeout):
     strategy = main("toy.yaml", [*cpu, *extra], run=False).trainer.strategy
     print("TIMEOUT", type(strategy).__name__, ddp_timeout(strategy).total_seconds())
 """
