@@ -1,11 +1,16 @@
 """The language-model example's sharding presets: FSDP wraps its transformer blocks (configs/fsdp.yaml)."""
 
+from pathlib import Path
+
 import pytest
 import torch
-from helpers import PROJECT, run_ok
 
 from ddpkit.sharding import LayerFSDPStrategy
+from ddpkit.testing.helpers import run_ok
 from {{ cookiecutter.package_name }}.lm.gpt import Block
+
+
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def test_fsdp_preset_wraps_and_checkpoints_the_transformer_blocks():

@@ -1,33 +1,32 @@
 """What config.yaml selects, measured the way main.py builds it: the guarantee tests follow these numbers.
 
-`python tests/configured.py [main.py arguments]` prints one JSON line; `describe()` runs it in a
-subprocess (building a Trainer in the test process would set up its environment there).
+`python -m ddpkit.testing.configured [main.py arguments]`, run in the project's directory, prints one JSON
+line; `describe()` runs it in a process forked from the fork server (building a Trainer in the test process
+would set up its environment there).
 """
 
 import inspect
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parents[1]
+from .helpers import project, run_main
 
 
 def describe(*args: str) -> dict:
     """Sizes and steps of the configured data module, and what the configured model overrides."""
-    cmd = [sys.executable, __file__, *args]
-    result = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_main(*args, cwd=project(), timeout=180, entry="configured")
+    assert result.returncode == 0, result.stdout[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _measure(args: list[str]) -> dict:
     import lightning as L
 
-    sys.path.insert(0, str(PROJECT))
-    from ddpkit import GlobalBatchDataModule
-
+    sys.path.insert(0, str(Path.cwd()))  # the project, as `python main.py` puts main.py's directory first
     from main import main
+
+    from ddpkit import GlobalBatchDataModule
 
     cpu = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
     cli = main([*args, *cpu], run=False)
@@ -58,6 +57,10 @@ def _measure(args: list[str]) -> dict:
     return info
 
 
-if __name__ == "__main__":
+def cli() -> None:
     args, sys.argv = sys.argv[1:], sys.argv[:1]  # LightningCLI reads sys.argv too when given args
     print(json.dumps(_measure(args)))
+
+
+if __name__ == "__main__":
+    cli()

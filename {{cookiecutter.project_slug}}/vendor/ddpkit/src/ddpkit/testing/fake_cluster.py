@@ -1,4 +1,5 @@
-"""Stand-ins for a cluster on one machine: free ports, fake `srun`/`scontrol`, process groups with timeouts."""
+"""A cluster on one machine: free ports, fake `srun`/`scontrol`, process groups with timeouts, and the two
+cluster jobs the suite runs with the project's own launch scripts (cluster/torchrun.sh, cluster/slurm.sbatch)."""
 
 import os
 import signal
@@ -7,12 +8,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-PROJECT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+from .helpers import project
 
 # srun stand-in: starts SLURM_NNODES x SLURM_NTASKS_PER_NODE copies of its command with the per-task
 # variables real srun sets, each task's output in $FAKE_SRUN_LOGS/task<rank>.out, and forwards
@@ -50,10 +51,9 @@ def free_port() -> int:
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    """This interpreter first on PATH (`python` in the scripts), tests/ importable, unbuffered output."""
+    """This interpreter first on PATH (`python` in the scripts), unbuffered output, one thread per process."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PATH": path, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **extra}
+    return {**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
 
 
 def slurm_env(tmp: Path, nodes: int, tasks_per_node: int, job_id: int) -> dict[str, str]:
@@ -85,7 +85,7 @@ def slurm_env(tmp: Path, nodes: int, tasks_per_node: int, job_id: int) -> dict[s
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start `cmd` in the project directory in its own session (so a timeout can kill all it started)."""
     return subprocess.Popen(
-        cmd, cwd=PROJECT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        cmd, cwd=project(), env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
 
 
@@ -127,3 +127,77 @@ def last_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
     ckpt = torch.load(last_checkpoint(root), weights_only=True)
     assert ckpt["global_step"] == global_step
     return ckpt["state_dict"]
+
+
+@dataclass
+class ClusterRun:
+    """A finished cluster job: its default_root_dir, exit codes, and each process's output."""
+
+    root: Path
+    codes: list[int]
+    outputs: list[str]
+
+
+def torchrun_nodes_job(root: Path, args: list[str]) -> ClusterRun:
+    """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost), `fit *args`; the agents'
+    outputs."""
+    root.mkdir()
+    port = free_port()
+    env = base_env(NNODES="2", GPUS_PER_NODE="1", RDZV_ENDPOINT=f"localhost:{port}", RDZV_ID=f"test{port}")
+    cmd = ["bash", "cluster/torchrun.sh", *args, "--trainer.default_root_dir", str(root)]
+    agents = [start(cmd, env, root.with_name(f"{root.name}-agent{i}.log")) for i in range(2)]
+    codes = finish(agents, timeout=300)
+    return ClusterRun(root, codes, [root.with_name(f"{root.name}-agent{i}.log").read_text() for i in range(2)])
+
+
+# A config with its own callbacks list, as configs/lm.yaml has: it must not drop the requeue callback.
+OWN_CALLBACKS = """
+trainer:
+  callbacks:
+    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+      init_args:
+        monitor: null
+        save_last: true
+"""
+SLURM_JOB_ID = 4242
+
+
+@dataclass
+class SlurmJob:
+    """A 2-node SLURM job signalled to requeue in its second epoch, and its requeued run."""
+
+    root: Path  # --trainer.default_root_dir
+    codes: list[int]  # exit code of the first job, then of the requeued one
+    first: list[str]  # each task's output, first job
+    second: list[str]  # each task's output, requeued job
+    scontrol: str  # what the job asked scontrol
+
+
+def slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> SlurmJob:
+    """cluster/slurm.sbatch under a 2-node x 1-task SLURM job's variables, `fit *args` (ending with RankProbe):
+    SIGUSR1 (what `--signal=SIGUSR1@90` sends before the time limit) once epoch 1's last.ckpt is written, then
+    the same job again, as `scontrol requeue` would start it."""
+    tmp.mkdir()
+    env = slurm_env(tmp, nodes=2, tasks_per_node=1, job_id=SLURM_JOB_ID)
+    root, tasks = tmp / "root", tmp / "tasks"
+    (tmp / "callbacks.yaml").write_text(OWN_CALLBACKS)
+    args = ["--config", str(tmp / "callbacks.yaml"), *args, "--trainer.default_root_dir", str(root)]
+    outputs = lambda: [(tasks / f"task{r}.out").read_text() for r in range(2)]  # noqa: E731
+    # Slow steps (no CPU) keep the first job in its second epoch until it is signalled; the requeued one is not
+    # slowed. The ranks look for the signal every 10 steps (requeue.SlurmRequeue).
+    job = start(
+        ["bash", "cluster/slurm.sbatch", *args, "--trainer.callbacks.sleep_per_step", "0.2"], env, tmp / "job1.log"
+    )
+    try:
+        epoch_1 = lambda: any(root.glob("lightning_logs/*/checkpoints/last.ckpt"))  # noqa: E731
+        wait_for(lambda: epoch_1() or job.poll() is not None, timeout=300, what="epoch 1")
+        if job.poll() is None:
+            os.kill(int((tasks / "srun.pid").read_text()), signal.SIGUSR1)
+        codes = finish([job], timeout=120)
+    finally:
+        kill_group(job)
+    first = outputs()
+    if codes == [0]:
+        codes += finish([start(["bash", "cluster/slurm.sbatch", *args], env, tmp / "job2.log")], timeout=300)
+    scontrol = tmp / "scontrol.log"
+    return SlurmJob(root, codes, first, outputs(), scontrol.read_text() if scontrol.exists() else "")

@@ -2,7 +2,7 @@
 
 - `save_as_cuda(obj, path)`: `torch.save` whose tensors are tagged `cuda:0`, as a checkpoint written on a
   GPU is; loading it without a map location on a machine with no GPU fails as it would.
-- `FAKE_CUDA_DEVICES=N` with this directory on PYTHONPATH (and `sitecustomize` importing `install`) makes
+- `FAKE_CUDA_DEVICES=N` with `fake_env`'s sitecustomize on PYTHONPATH (it calls `install`) makes
   `torch.cuda.is_available()` / `device_count()` report N GPUs in a subprocess: the checks that only read
   them (the CLI's refusals, the preflight's early exit) take their GPU branches; nothing can run on them.
 """
@@ -43,11 +43,11 @@ def install() -> None:
     torch.cuda.device_count = lambda: int(count)
 
 
-# Run at every interpreter start-up (with the tests directory on PYTHONPATH); imports torch only when asked to.
+# Run at every interpreter start-up (its directory on PYTHONPATH); imports torch only when asked to.
 SITECUSTOMIZE = """
 import os
 if "FAKE_CUDA_DEVICES" in os.environ:
-    import fake_cuda
+    from ddpkit.testing import fake_cuda
     fake_cuda.install()
 """
 
@@ -56,5 +56,5 @@ def fake_env(site: Path, gpus: int) -> dict[str, str]:
     """Environment for a subprocess that sees `gpus` GPUs; `site` is a directory for the start-up hook."""
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    path = [str(site), str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    path = [str(site), os.environ.get("PYTHONPATH", "")]
     return {"FAKE_CUDA_DEVICES": str(gpus), "PYTHONPATH": os.pathsep.join(filter(None, path))}

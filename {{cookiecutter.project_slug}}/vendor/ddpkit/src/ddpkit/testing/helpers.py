@@ -1,20 +1,36 @@
-"""Run `main.py` in a subprocess with a hard timeout, as the tests and users' own checks do."""
+"""Run the project's `main.py` in a subprocess with a hard timeout, as the suite and users' own checks do.
 
+The project is the directory pytest runs in (its rootdir, where pyproject.toml is): the plugin sets it
+with `set_project` before any test runs; outside pytest it is the working directory.
+"""
+
+import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
+_project = Path.cwd()
 
-from ddpkit.parity import load_weights
 
-PROJECT = Path(__file__).resolve().parents[1]
-MAIN = PROJECT / "main.py"
+def set_project(root: Path) -> None:
+    global _project
+    _project = Path(root).resolve()
+
+
+def project() -> Path:
+    """The project's root directory: where its main.py, config.yaml and cluster/ scripts are."""
+    return _project
+
+
+def main_py() -> Path:
+    return _project / "main.py"
 
 
 def start(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
@@ -32,7 +48,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     except subprocess.TimeoutExpired:
         kill(proc)
         out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(proc.args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+        raise AssertionError(f"{' '.join(map(str, proc.args))} timed out after {timeout}s:\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
@@ -44,13 +60,67 @@ def kill(proc: subprocess.Popen) -> None:
         pass  # the whole group has already exited
 
 
-def run_main(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python main.py *args`; on timeout kill every process it started, then fail.
+class ForkServer:
+    """The client of forkserver.py: runs of main.py forked from one process that has imported it."""
 
-    The run gets its own session, so the DDP ranks it launches share one process
-    group and a hang ends with all of them killed instead of blocking the suite.
+    def __init__(self) -> None:
+        self.lock, self.server = threading.Lock(), None
+
+    def fork(self, args: list[str], cwd: Path, env: dict, log: Path, entry: str) -> int:
+        """Start `python main.py *args` (forked); return its pid, which is also its process group."""
+        with self.lock:
+            if self.server is None or self.server.poll() is not None:
+                server = [sys.executable, str(Path(__file__).with_name("forkserver.py")), str(project())]
+                # One thread per process, as each run gets: torch reads it when the server imports it.
+                server_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                self.server = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                               env=server_env, start_new_session=True)  # fmt: skip
+            request = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env, "log": str(log), "entry": entry}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            line = self.server.stdout.readline()
+        assert line.strip().isdigit(), f"the fork server did not start the run: {line!r}"
+        return int(line)
+
+
+FORK_SERVER = ForkServer()
+
+
+def alive(group: int) -> bool:
+    """Whether any process of the process group `group` is still running."""
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that is not ours: still running
+        return True
+
+
+def run_main(
+    *args: str, cwd: Path, timeout: float = 180, env: dict | None = None, log: Path | None = None, entry: str = "main"
+) -> subprocess.CompletedProcess:
+    """Run `python main.py *args` (forked from a process that has imported main.py once, forkserver.py); on
+    timeout kill every process it started, then fail. Returns a CompletedProcess with the output.
+
+    The run gets its own session, so the DDP ranks it launches share one process group, and the run has
+    finished when the whole group has: a hang ends with all of them killed instead of blocking the suite.
     """
-    return finish(start([sys.executable, str(MAIN), *args], cwd, env), timeout)
+    if log is None:
+        log = Path(tempfile.mkstemp(prefix="main-", suffix=".log")[1])
+    rc = Path(f"{log}.rc")
+    rc.unlink(missing_ok=True)
+    env = {"PYTHONUNBUFFERED": "1", **(env or {})}
+    pid = FORK_SERVER.fork(list(args), cwd, env, log, entry)
+    deadline = time.monotonic() + timeout
+    while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
+        if time.monotonic() > deadline:
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+            out = log.read_text()
+            raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
+        time.sleep(0.05)
+    return subprocess.CompletedProcess(["main.py", *args], int(rc.read_text()), log.read_text(), None)
 
 
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
@@ -66,27 +136,3 @@ def concurrently(job: Callable, names: Iterable[str]) -> dict:
     names = list(names)
     with ThreadPoolExecutor(len(names)) as pool:
         return dict(zip(names, pool.map(job, names), strict=True))
-
-
-# torch.compile on CPU writes C++ and builds it with the system's compiler (CXX, else g++ / c++ / clang++).
-needs_compiler = pytest.mark.skipif(
-    not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c),
-    reason="torch.compile on CPU needs a C++ compiler (set CXX or install g++)",
-)
-
-
-def fit_eager_and_compiled(root: Path, *args: str, timeout: float = 600) -> tuple[dict, dict]:
-    """`main.py fit *args` twice at once on 1 CPU process in float64, as written and with `--model.compile
-    true` (a module that takes a `compile` argument, like the examples); the weights of each run's last
-    checkpoint. The compiled run's first steps wait for torch.compile (tens of seconds on CPU)."""
-    common = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "64-true")
-    common += ("--trainer.enable_progress_bar", "false", "--doctor.enabled", "false")
-
-    def fit(name: str) -> dict:
-        compiled = ("--model.compile", "true") if name == "compiled" else ()
-        out = ("--trainer.default_root_dir", str(root / name))
-        run_ok("fit", *args, *common, *compiled, *out, cwd=root, timeout=timeout)
-        return load_weights(root / name / "lightning_logs/version_0/checkpoints/last.ckpt")
-
-    runs = concurrently(fit, ("eager", "compiled"))
-    return runs["eager"], runs["compiled"]

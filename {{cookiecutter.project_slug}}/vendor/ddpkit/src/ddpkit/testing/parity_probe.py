@@ -1,7 +1,7 @@
 """A test-only callback that records, on every rank, what the rank trained on and what it logged.
 
-The parity tests give it to main.py as `--trainer.callbacks+=parity_probe.Probe`
-with `tests/` on PYTHONPATH. When a stage ends, each rank writes
+The suite gives it to main.py as `--trainer.callbacks+=ddpkit.testing.parity_probe.Probe`.
+When a stage ends, each rank writes
 `<default_root_dir>/probe/<stage>-rank<r>.json` and, after fit, its final weights
 to `fit-rank<r>.pt`.
 """

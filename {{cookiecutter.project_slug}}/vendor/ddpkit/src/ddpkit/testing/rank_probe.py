@@ -1,6 +1,6 @@
 """A callback for tests: each process prints the ranks and cluster environment Lightning chose.
 
-Add it to a run with `--trainer.callbacks+=rank_probe.RankProbe` and `tests/` on PYTHONPATH.
+Add it to a run with `--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe`.
 """
 
 import time

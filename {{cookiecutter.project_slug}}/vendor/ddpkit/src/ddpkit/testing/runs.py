@@ -1,45 +1,53 @@
-"""The real `main.py` runs the guarantee tests share, made once per session (`cpu_runs`).
+"""The real runs of the project's `main.py` the guarantee tests share, made once per session (`cpu_runs`).
 
-Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU:
-1 and 2 devices in float64, float32 and bf16-mixed (and in float64 with a CSV logger added and, if the
-model takes one, a warmup + cosine learning-rate schedule), `torchrun`, gradient accumulation (1 device x 4
-micro-batches, 2 devices x 2), runs resumed mid-epoch on the other device count (2 -> 1 from a copy of the
-checkpoint tagged as written on GPUs), and `test` and `predict` on 1 and 2 devices.
-test_parity, test_multinode and test_sharded read them; the sizes and steps come from the configured
-data module (tests/configured.py).
+Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
+three waves; every run of a wave starts at once (each run is mostly start-up, which overlaps):
+1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
+   ones.
+2. 1 and 2 devices in float32 and in bf16-mixed, `torchrun`, gradient accumulation (1 device x 4
+   micro-batches, 2 devices x 2), two torchrun "nodes", sharded training when the module shards, and, when
+   the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
+3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
+   the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices, `fit
+   --ckpt_path last` continuing a finished run, and a 2-node SLURM job that is signalled, requeued and
+   resumed.
+A wave starts when a test first asks for one of its runs, so `pytest -k ...` starts only the waves it reads.
+The sizes and steps come from the configured data module (configured.py).
 
 Add arguments to every run (another model, a smaller set):
-    PARITY_ARGS="--model my_model.MyModel" pytest tests/test_parity.py
+    PARITY_ARGS="--model my_model.MyModel" pytest tests/test_guarantees.py
 """
 
 import json
 import os
 import shlex
+import shutil
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
-from fake_cuda import save_as_cuda
-from helpers import MAIN, finish, kill, start
 
-from ddpkit.parity import load_weights
-from ddpkit.schedules import WarmupCosine
-
-TESTS = Path(__file__).resolve().parent
+from ..parity import load_weights
+from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
+from .fake_cuda import save_as_cuda
+from .helpers import concurrently, finish, main_py, project, run_main, start
 
 
 @dataclass
 class Run:
-    """One finished run of main.py under its own root directory."""
+    """One finished run of main.py under its own root directory; its console output in `log`."""
 
     root: Path
+    log: Path
 
     @property
     def version(self) -> Path:
         return self.root / "lightning_logs" / "version_0"
+
+    def output(self) -> str:
+        return self.log.read_text()
 
     def checkpoint(self, name: str = "last.ckpt") -> Path:
         return self.version / "checkpoints" / name
@@ -70,7 +78,19 @@ def plan(configured: dict) -> dict:
         "one_to_two": n + max(1, n // 4),
         "micro_batch_size": micro,
         "takes_scheduler": configured.get("takes_scheduler", False),
+        "shards": configured.get("shards_layers", False),
     }
+
+
+def parity_args() -> list[str]:
+    """PARITY_ARGS, split as a shell would: appended to every run, after the suite's own arguments."""
+    return shlex.split(os.environ.get("PARITY_ARGS", ""))
+
+
+def schedule_args(steps: dict) -> list[str]:
+    """A warmup + cosine schedule (for a model that takes a `scheduler` argument)."""
+    warmup = str(max(1, steps["steps_per_epoch"] // 2))
+    return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
 def run_args(steps: dict) -> list[str]:
@@ -83,84 +103,57 @@ def run_args(steps: dict) -> list[str]:
         "false",
         "--trainer.enable_model_summary",
         "false",
-        "--trainer.callbacks+=parity_probe.Probe",
+        "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
         f"--trainer.callbacks.save_at_steps=[{steps['two_to_one']}, {steps['one_to_two']}]",
         # An epoch-end checkpoint of every epoch, besides the configured checkpoint callback.
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         "--trainer.callbacks.save_top_k=-1",
-        *shlex.split(os.environ.get("PARITY_ARGS", "")),
     ]
 
 
 def main_cmd(*args: str) -> list[str]:
-    return [sys.executable, str(MAIN), *args]
+    return [sys.executable, str(main_py()), *args]
 
 
 def torchrun_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(MAIN), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(main_py()), *args]
 
 
 def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str) -> list[str]:
     return [
         "fit",
         *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
-        *("--trainer.precision", precision, *run_args(steps), *extra),
+        *("--trainer.precision", precision, *run_args(steps), *extra, *parity_args()),
     ]
 
 
-def run_all(commands: dict[str, list[str]], base: Path, timeout: float = 420) -> dict[str, Run]:
-    """Run the commands at once, each in base/<name>, within `timeout` seconds for all; fail (and kill
-    the rest) on any non-zero exit."""
-    # PYTHONPATH: main.py imports the probe from tests/. One thread per process: runs share the cores.
-    path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    procs = {}
-    try:
-        for name, cmd in commands.items():
-            root = base / name
-            root.mkdir()
-            procs[name] = start([*cmd, "--trainer.default_root_dir", str(root)], root, env)
-        deadline = time.monotonic() + timeout
-        for name, proc in procs.items():
-            result = finish(proc, max(1.0, deadline - time.monotonic()))
-            assert result.returncode == 0, f"run {name} exited {result.returncode}:\n{result.stdout[-4000:]}"
-    finally:
-        for proc in procs.values():
-            kill(proc)
-    return {name: Run(base / name) for name in commands}
+def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[str]:
+    """`validate`, `test` or `predict` in float64 from `ckpt_path`, without a logger (predictions.pt and the
+    probe's records go to the run's root)."""
+    return [
+        command,
+        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", "64-true"),
+        *("--ckpt_path", ckpt_path, "--trainer.logger", "false", *run_args(steps), *parity_args()),
+    ]
 
 
-@pytest.fixture(scope="session")
-def steps(global_batch) -> dict:
-    return plan(global_batch)
+def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Callable[[], Run]:
+    """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
+    non-zero exit or after `timeout` seconds (killing all it started). A run of main.py is forked from the
+    fork server (helpers.run_main); other commands (torchrun) start as they are."""
 
+    def job() -> Run:
+        root.mkdir(exist_ok=True)
+        full = [*cmd, "--trainer.default_root_dir", str(root)]
+        if full[1] == str(main_py()):
+            result = run_main(*full[2:], cwd=root, timeout=timeout, log=log)
+        else:  # one thread per process: the runs share the cores
+            result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)
+            log.write_text(result.stdout)
+        assert result.returncode == 0, f"run {log.stem} exited {result.returncode}:\n{result.stdout[-4000:]}"
+        return Run(root, log)
 
-class Waves:
-    """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
-    selection of tests (`pytest -k ...`) starts only the runs it reads. A wave that fails fails every
-    test that asks for it."""
-
-    def __init__(self, base: Path, waves: list) -> None:
-        self.base, self.waves, self.done = base, waves, {}
-
-    def __getitem__(self, name: str) -> Run:
-        if name not in self.done:
-            (wave,) = [w for w in self.waves if name in w.names]
-            if wave.error:  # started once and failed: not again
-                raise AssertionError(wave.error)
-            try:
-                self.done |= run_all(wave.commands(self), self.base)
-            except AssertionError as error:
-                wave.error = str(error)
-                raise
-        return self.done[name]
-
-
-@dataclass
-class Wave:
-    names: tuple[str, ...]
-    commands: object  # (Waves) -> {name: command}; may read the runs of an earlier wave
-    error: str = ""
+    return job
 
 
 def as_cuda(run: Run, steps: dict) -> Path:
@@ -172,54 +165,173 @@ def as_cuda(run: Run, steps: dict) -> Path:
     return cuda
 
 
-@pytest.fixture(scope="session")
-def cpu_runs(tmp_path_factory, steps) -> Waves:
-    """Every CPU run the tests compare, in three waves: 1 and 2 devices in float64, which the others are
-    compared with (alone, so that a selection of the tests that read only these two starts only them); the
-    other fits; the resumes and evaluations from the first wave's checkpoints."""
-    micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
-    first = {
-        "1dev-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true")),
-        "2dev-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true")),  # Lightning's own launcher
-    }
-    more = {
-        "1dev-fp32": main_cmd(*fit(steps, "cpu", 1, "32-true")),
-        "2dev-fp32": main_cmd(*fit(steps, "cpu", 2, "32-true")),
-        "torchrun-fp64": torchrun_cmd(*fit(steps, "cpu", 2, "64-true")),
-        "1dev-acc4-fp64": main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)),
-        "2dev-acc2-fp64": main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)),
-        "1dev-bf16": main_cmd(*fit(steps, "cpu", 1, "bf16-mixed")),
-        "2dev-bf16": main_cmd(*fit(steps, "cpu", 2, "bf16-mixed")),
-    }
-    # A second logger (CSV, full float64 precision) and, when the model takes one, a warmup + cosine schedule.
-    lr_csv = ["--trainer.logger+=CSVLogger"]
-    if steps["takes_scheduler"]:
-        schedule = f"{WarmupCosine.__module__}.WarmupCosine"
-        warmup = str(max(1, steps["steps_per_epoch"] // 2))
-        lr_csv += ["--model.scheduler", schedule, "--model.scheduler.warmup_steps", warmup]
-    more |= {f"{n}dev-lr-csv": main_cmd(*fit(steps, "cpu", n, "64-true", *lr_csv)) for n in (1, 2)}
-    if not steps["micro_batch_size"]:  # the data module takes none, or the global batch has no quarter
-        more = {name: cmd for name, cmd in more.items() if "-acc" not in name}
-    test = ("test", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true", *run_args(steps))
-    predict = ("predict", *test[1:])
+@dataclass
+class Wave:
+    names: tuple[str, ...]
+    jobs: Callable  # (Waves) -> {name: job}; may read the runs of an earlier wave
+    error: str = ""
 
-    def second(runs: Waves) -> dict[str, list[str]]:
+
+class Waves:
+    """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
+    selection of tests (`pytest -k ...`) starts only the runs it reads. A wave that fails fails every
+    test that asks for it."""
+
+    def __init__(self, base: Path, waves: list[Wave]) -> None:
+        self.base, self.waves, self.done = base, waves, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.done:
+            (wave,) = [w for w in self.waves if name in w.names]
+            if wave.error:  # started once and failed: not again
+                raise AssertionError(wave.error)
+            try:
+                jobs = wave.jobs(self)
+                self.done |= concurrently(lambda job: jobs[job](), jobs)
+            except AssertionError as error:
+                wave.error = str(error)
+                raise
+        return self.done[name]
+
+
+# Stands for the project's own config.yaml in the directory the runs without a logger start from.
+PROJECT_CONFIG = "# the project's config.yaml\n"
+
+
+def shared_runs(base: Path, steps: dict) -> Waves:
+    """Every CPU run the suite reads (see the module's docstring), under `base`."""
+
+    def run(name: str, cmd: list[str], root: Path | None = None) -> Callable[[], Run]:
+        return command(cmd, root or base / name, base / f"{name}.log")
+
+    csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
+    first = {n: run(n, main_cmd(*fit(steps, "cpu", int(n[0]), "64-true", csv))) for n in ("1dev-fp64", "2dev-fp64")}
+
+    def second(runs: Waves) -> dict:
+        micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
+        jobs = {
+            "1dev-fp32": run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true"))),
+            "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true"))),
+            "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
+            "1dev-bf16": run("1dev-bf16", main_cmd(*fit(steps, "cpu", 1, "bf16-mixed"))),
+            "2dev-bf16": run("2dev-bf16", main_cmd(*fit(steps, "cpu", 2, "bf16-mixed"))),
+            "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
+        }
+        if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
+            jobs["1dev-acc4-fp64"] = run("1dev-acc4-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)))
+            jobs["2dev-acc2-fp64"] = run("2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)))
+        if steps["shards"]:
+            jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
+        if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
+            lr = (*schedule_args(steps), csv)
+            for n in (1, 2):
+                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", main_cmd(*fit(steps, "cpu", n, "64-true", *lr)))
+        return jobs
+
+    def third(runs: Waves) -> dict:
         one, two = runs["1dev-fp64"], runs["2dev-fp64"]
+        # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
+        # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would.
+        for copy in ("eval", "continue"):
+            shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs")
+        (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
+        best = best_checkpoint(one)
         return {
             # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
-            "resume-2to1": main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps)))),
-            "resume-1to2": main_cmd(
-                *fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))
+            "resume-2to1": run(
+                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps))))
             ),
-            "test-1dev": main_cmd(*test, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
-            "test-2dev": main_cmd(*test, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
-            "predict-1dev": main_cmd(*predict, "--trainer.devices", "1", "--ckpt_path", str(one.checkpoint())),
-            "predict-2dev": main_cmd(*predict, "--trainer.devices", "2", "--ckpt_path", str(one.checkpoint())),
+            "resume-1to2": run(
+                "resume-1to2",
+                main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))),
+            ),
+            "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
+            "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
+            "predict-1dev": run(
+                "predict-1dev", main_cmd(*evaluate(steps, "predict", 1, str(one.checkpoint()))), base / "eval"
+            ),
+            "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best)))),
+            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, str(one.checkpoint())))),
+            # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
+            "continue": run(
+                "continue",
+                main_cmd(*fit(steps, "cpu", 1, "64-true", "--trainer.max_epochs", "3", "--ckpt_path", "last")),
+            ),
+            "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"]),
         }
 
     waves = [
         Wave(tuple(first), lambda runs: first),
-        Wave(tuple(more), lambda runs: more),
-        Wave(("resume-2to1", "resume-1to2", "test-1dev", "test-2dev", "predict-1dev", "predict-2dev"), second),
+        Wave(
+            (
+                "1dev-fp32",
+                "2dev-fp32",
+                "torchrun-fp64",
+                "1dev-bf16",
+                "2dev-bf16",
+                "torchrun-nodes",
+                "1dev-acc4-fp64",
+                "2dev-acc2-fp64",
+                "sharded",
+                "1dev-lr-fp64",
+                "2dev-lr-fp64",
+            ),
+            second,
+        ),  # fmt: skip
+        Wave(
+            (
+                "resume-2to1",
+                "resume-1to2",
+                "validate-1dev",
+                "test-1dev",
+                "predict-1dev",
+                "test-2dev",
+                "predict-2dev",
+                "continue",
+                "slurm-requeue",
+            ),
+            third,
+        ),  # fmt: skip
     ]
-    return Waves(tmp_path_factory.mktemp("runs"), waves)
+    return Waves(base, waves)
+
+
+def best_checkpoint(run: Run) -> Path:
+    """The best checkpoint the configured checkpoint callback kept (recorded in last.ckpt)."""
+    states = torch.load(run.checkpoint(), map_location="cpu", weights_only=False)["callbacks"].values()
+    (best,) = {s["best_model_path"] for s in states if isinstance(s, dict) and "best-" in s.get("best_model_path", "")}
+    return Path(best)
+
+
+def cluster_args(steps: dict) -> list[str]:
+    """The float64 fit of the first wave, without its probes and logger changes: the cluster launchers' runs
+    must end with its weights (2 epochs; dropout off, as the probe turns it off there)."""
+    return [
+        *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
+        *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
+        *parity_args(),
+        "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
+    ]
+
+
+def sharded_job(root: Path, steps: dict) -> dict:
+    """Epoch 1 sharded over 2 processes (configs/model_parallel.yaml, float32: ModelParallelStrategy has no
+    float64), epoch 2 resumed from its sharded checkpoint on 1; the weights at the end, gathered."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    args = ["--config", str(project() / "configs/model_parallel.yaml"), "--trainer.accelerator", "cpu"]
+    args += ["--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout", *parity_args()]
+    two, one = root / "two", root / "one"
+    root.mkdir()
+    command(main_cmd("fit", *args, "--trainer.max_epochs", "1"), two, root / "two.log")()
+    sharded = two / "lightning_logs/version_0/checkpoints/last.ckpt"
+    one_device = ("--trainer.devices", "1", "--trainer.strategy.data_parallel_size", "1")
+    resume = ("--trainer.max_epochs", "2", "--ckpt_path", str(sharded))
+    command(main_cmd("fit", *args, *one_device, *resume), one, root / "one.log")()
+    dcp_to_torch_save(one / "lightning_logs/version_0/checkpoints/last.ckpt", root / "full.pt")
+    weights = torch.load(root / "full.pt", weights_only=True)["state_dict"]
+    return {"files": sorted(p.name for p in sharded.glob("*.distcp")), "weights": weights}
+
+
+__all__ = ["PROJECT_CONFIG", "Run", "SlurmJob", "Waves", "as_cuda", "fit", "main_cmd", "plan", "shared_runs"]

@@ -1,0 +1,65 @@
+"""Multi-node launchers on one machine: two torchrun "nodes", a SLURM job, and SLURM's requeue signal.
+
+Each job runs the project's own launch script (cluster/torchrun.sh, cluster/slurm.sbatch) with the first
+wave's float64 training (runs.cluster_args) and must end with the 1-device run's weights. The SLURM job is
+signalled to requeue in its second epoch and then requeued, as SLURM would (fake_cluster.slurm_requeue_job).
+"""
+
+import re
+
+import torch
+
+from ..parity import max_abs
+from .fake_cluster import SLURM_JOB_ID, last_weights
+
+
+def probes(text: str) -> list[str]:
+    return sorted(re.findall(r"RANK_PROBE .*", text))
+
+
+def reference(cpu_runs, global_batch) -> dict[str, torch.Tensor]:
+    """Weights after the same training on 1 device (the first wave's float64 run)."""
+    return last_weights(cpu_runs["1dev-fp64"].root, 2 * global_batch["steps_per_epoch"])
+
+
+def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, global_batch):
+    """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost) matches 1 device."""
+    job = cpu_runs["torchrun-nodes"]
+    logs = "".join(job.outputs)
+    assert job.codes == [0, 0], logs[-4000:]
+    assert probes(logs) == [
+        f"RANK_PROBE global={r} local=0 node={r} world=2 env=TorchElasticEnvironment step=0" for r in range(2)
+    ]
+    weights = last_weights(job.root, 2 * global_batch["steps_per_epoch"])
+    assert max_abs(weights, reference(cpu_runs, global_batch)) < 1e-12  # float64 rounding (BOUNDS in check_parity)
+
+
+def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, global_batch):
+    """cluster/slurm.sbatch under a 2-node SLURM job's variables: Lightning takes ranks from SLURM in the job and
+    in its requeued run, and the requeued run, resumed mid-epoch, ends with 1 device's weights."""
+    job = cpu_runs["slurm-requeue"]
+    assert job.codes == [0, 0], job.first[0][-3000:] + job.first[1][-3000:] + job.second[0][-3000:]
+    for rank in range(2):
+        for out in (job.first[rank], job.second[rank]):
+            (probe,) = probes(out)
+            assert probe.startswith(f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment ")
+    weights = last_weights(job.root, 2 * global_batch["steps_per_epoch"])
+    assert max_abs(weights, reference(cpu_runs, global_batch)) < 1e-12  # float64 rounding (BOUNDS in check_parity)
+
+
+def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(cpu_runs, global_batch):
+    """SIGUSR1 (SLURM, before the time limit): hpc_ckpt_1.ckpt and `scontrol requeue`; the rerun resumes from it
+    and finishes the run (a config with its own callbacks list keeps the requeue callback)."""
+    job = cpu_runs["slurm-requeue"]
+    assert job.codes == [0, 0], job.first[0][-3000:] + job.second[0][-3000:]
+    assert job.scontrol == f"requeue {SLURM_JOB_ID}\n"
+    hpc = job.root / "hpc_ckpt_1.ckpt"
+    saved_step = torch.load(hpc, weights_only=True)["global_step"]
+    steps = global_batch["steps_per_epoch"]
+    assert steps < saved_step < 2 * steps and f"saved {hpc} at step {saved_step}" in job.first[0]
+    assert f"Restoring states from the checkpoint path at {hpc}" in job.second[0]
+    for rank, out in enumerate(job.second):
+        assert probes(out) == [
+            f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment step={saved_step}"
+        ]
+        assert f"RANK_PROBE_END global={rank} step={2 * steps}" in out  # 2 epochs

@@ -1,0 +1,78 @@
+"""`python main.py ...` without paying for its imports again: a server that has imported main.py once forks a
+child per run.
+
+Nearly all of a small run's cost is start-up (about 5 CPU-seconds to import torch and Lightning, 1 to train
+the example 2 epochs), and the suite makes dozens of runs. The server (`python forkserver.py PROJECT`, with
+stdin a pipe) imports the project's main.py as `python main.py` would, then reads one JSON request a line
+({"args", "cwd", "env", "log", "entry"}) and answers with the pid of a forked child that runs `main.main()`
+(or, for entry "configured", configured.py's measurement) with `sys.argv = [main.py, *args]`, in its own
+session, its output in `log` and its exit status in `log`.rc.
+Everything a run starts itself is a fresh process as usual: the second rank of Lightning's launcher runs
+`python main.py <same argv>` (sys.argv and `__main__.__spec__ is None` say so, as for a script).
+
+The server is a plain script so that its `__main__` has no module spec (else Lightning would start rank 1 as
+`python -m <server>`); nothing in it has touched CUDA or started a thread, so forking it is safe.
+"""
+
+import json
+import os
+import signal
+import sys
+import traceback
+
+
+def child(request: dict, main) -> None:
+    """In the forked child: become `python main.py *args` in `cwd` with `env`, run it, exit with its status."""
+    code = 1
+    try:
+        os.setsid()  # its own process group: a timeout kills it and every rank it starts
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; the launcher waits for its ranks
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.chdir(request["cwd"])
+        os.environ.update(request["env"])
+        extra_path = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[1:1] = extra_path  # PYTHONPATH comes after the script's directory, as at start-up
+        sys.argv = [main.__file__, *request["args"]]
+        if request.get("entry") == "configured":
+            from ddpkit.testing.configured import cli as entry
+        else:
+            entry = main.main
+        try:
+            entry()
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, int | None):
+                print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(request["log"] + ".rc", "w") as rc:
+            rc.write(str(code))
+        os._exit(code)
+
+
+def serve(project: str) -> None:
+    sys.path[0] = project  # as `python main.py` puts main.py's directory first
+    os.chdir(project)
+    import main  # the project's main.py: torch, Lightning and ddpkit, imported once
+
+    import ddpkit.testing.parity_probe  # noqa: F401  the callbacks the suite adds to its runs
+    import ddpkit.testing.rank_probe  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; status goes to .rc
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            child(request, main)
+        print(pid, flush=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,83 @@
+"""The pytest plugin of the guarantee suite: the project it tests, and the fixtures the suite's tests read.
+
+A project selects it in `tests/conftest.py` (`pytest_plugins = ["ddpkit.testing.plugin"]`); see
+`ddpkit.testing` for the two files that make up a project's suite.
+"""
+
+import pytest
+
+# The suite's modules hold plain asserts; have pytest show the values in them, as in a test file. Before they
+# are imported: rewriting happens at import.
+pytest.register_assert_rewrite(
+    *(f"ddpkit.testing.{m}" for m in ("check_cli", "check_multinode", "check_parity", "check_sharded")),
+    *(f"ddpkit.testing.{m}" for m in ("configured", "fake_cluster", "helpers", "runs")),
+)
+
+from .configured import describe  # noqa: E402
+from .fake_cuda import fake_env  # noqa: E402
+from .helpers import set_project  # noqa: E402
+from .runs import Run, Waves, fit, main_cmd, parity_args, plan, shared_runs  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The project is pytest's rootdir: the directory of the pyproject.toml that configures pytest, where
+    # main.py and config.yaml are, wherever pytest is started from.
+    set_project(config.rootpath)
+    config.addinivalue_line(
+        "markers",
+        "gpu: needs CUDA GPUs (skips, saying how many it needs, where fewer are visible); `pytest -m gpu` runs them",
+    )
+
+
+@pytest.fixture(scope="session")
+def configured() -> dict:
+    """Sizes and steps of the model and data config.yaml selects, with PARITY_ARGS (configured.py)."""
+    return describe(*parity_args())
+
+
+@pytest.fixture(scope="session")
+def global_batch(configured) -> dict:
+    """`configured`, for tests of guarantees that only a GlobalBatchDataModule gives; others skip."""
+    if not configured["global_batch_data"]:
+        pytest.skip(
+            f"{configured['data']} is not a GlobalBatchDataModule: 1-vs-N parity, exact resume and exactly-once "
+            "evaluation are not guaranteed for it (README, 'Your own model and data')"
+        )
+    return configured
+
+
+@pytest.fixture(scope="session")
+def steps(global_batch) -> dict:
+    """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan)."""
+    return plan(global_batch)
+
+
+@pytest.fixture(scope="session")
+def cpu_runs(tmp_path_factory, steps) -> Waves:
+    """Every CPU run the suite reads, by name, started a wave at a time on first use (runs.py)."""
+    return shared_runs(tmp_path_factory.mktemp("runs"), steps)
+
+
+GPU_PRECISIONS = ["64-true", "32-true", "bf16-mixed"]  # float64 first: the strict check
+
+
+@pytest.fixture(scope="session")
+def gpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
+    """1-GPU and 2-GPU runs per precision, one after another (they share the GPUs)."""
+    from .runs import command
+
+    base = tmp_path_factory.mktemp("parity-gpu")
+    runs = {}
+    for precision in GPU_PRECISIONS:
+        for devices in (1, 2):
+            name = f"{devices}gpu-{precision}"
+            runs[name] = command(main_cmd(*fit(steps, "gpu", devices, precision)), base / name, base / f"{name}.log")()
+    return runs
+
+
+@pytest.fixture(scope="session")
+def fake_gpus(tmp_path_factory):
+    """`fake_gpus(n)`: environment in which a subprocess's torch.cuda reports n GPUs (fake_cuda.py), so
+    checks that only ask torch.cuda take the branch a machine with n GPUs takes, on any machine."""
+    site = tmp_path_factory.mktemp("fake-cuda-site")
+    return lambda gpus: fake_env(site, gpus)
