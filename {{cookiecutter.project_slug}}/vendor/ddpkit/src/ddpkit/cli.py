@@ -44,6 +44,7 @@ from .processes import (
     watch_parent,
 )
 from .requeue import SlurmRequeue
+from .sampling import ResumeLoaderPosition
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
 
@@ -222,7 +223,7 @@ class CLI(SubcommandCLI):
         defaults = self.trainer_defaults
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        added = [stop, *requeue, *writer, *lr, RecordVersion()]
+        added = [stop, *requeue, *writer, *lr, RecordVersion(), ResumeLoaderPosition()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)

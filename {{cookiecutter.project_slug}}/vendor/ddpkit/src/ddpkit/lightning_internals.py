@@ -14,6 +14,7 @@ import torch
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as checkpoint_wrapper
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -31,6 +32,7 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (ModelCheckpoint, "_monitor_candidates"),
     (torch.distributed.distributed_c10d, "_set_pg_timeout"),
     (checkpoint_wrapper, "apply_activation_checkpointing"),
+    (_FitLoop, "_load_combined_loader_states"),
 ]
 
 
@@ -144,3 +146,15 @@ def save_last_checkpoint_if_skipped(callback: ModelCheckpoint, trainer: Any) -> 
 def saves_on_train_epoch_end(callback: ModelCheckpoint, trainer: Any) -> bool:
     """Whether the callback saves at the end of the training epoch (else after validation)."""
     return callback._should_save_on_train_epoch_end(trainer)
+
+
+def load_pending_train_loader_states(trainer: Any) -> None:
+    """Give the train loaders the positions a resumed fit restored, when Lightning would drop them.
+
+    Lightning 2.6 loads a checkpoint's loader states while it builds the train loader in `setup_data`. A
+    `configure_optimizers` that reads `trainer.estimated_stepping_batches` (a schedule's total steps) builds
+    the loader before the checkpoint is restored, so `setup_data` returns early and a mid-epoch resume
+    replays the epoch from its start (Lightning issue #20550, open in 2.6.6). Called once training starts,
+    before the first epoch's loader iterator exists; a no-op when nothing is pending.
+    """
+    trainer.fit_loop._load_combined_loader_states()

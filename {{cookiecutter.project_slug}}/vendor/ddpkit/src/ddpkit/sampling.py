@@ -24,8 +24,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .lightning_internals import load_pending_train_loader_states
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -166,3 +169,12 @@ class BlockSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class ResumeLoaderPosition(Callback):
+    """A mid-epoch resume continues where it stopped also when `configure_optimizers` asked the trainer for
+    `estimated_stepping_batches` (as `optimization` does for a schedule's total steps): that builds the train
+    loader before Lightning restores its position, which Lightning 2.6.6 then never applies."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        load_pending_train_loader_states(trainer)
