@@ -10,13 +10,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.fabric.utilities.throughput import _CUDA_FLOPS
-from lightning.pytorch.loggers import CSVLogger
-
 from ddpkit import throughput
 from ddpkit.parity import read_scalars
 from ddpkit.testing.helpers import run_ok
 from ddpkit.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
+from lightning.fabric.utilities.throughput import _CUDA_FLOPS
+from lightning.pytorch.loggers import CSVLogger
+
 from {{ cookiecutter.package_name }}.lm.data import TextDataModule, sequences_in, tokens_in
 from {{ cookiecutter.package_name }}.lm.module import VOCAB_SIZE, LanguageModel
 

@@ -4,11 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ddpkit.sharding import LayerFSDPStrategy
 from ddpkit.testing.helpers import run_ok
-from {{ cookiecutter.package_name }}.lm.gpt import Block
 
+from {{ cookiecutter.package_name }}.lm.gpt import Block
 
 PROJECT = Path(__file__).resolve().parents[2]
 
