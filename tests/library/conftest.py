@@ -1,8 +1,6 @@
 """The library's own tests (faults, the doctor, the scaling gap, bad input, units) run on its toy model
 (`ddpkit.toy`) against the installed ddpkit, without baking a project."""
 
-from pathlib import Path
-
 import early
 import pytest
 
@@ -15,9 +13,10 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def early_runs(request, tmp_path_factory):
-    """Start the early jobs (early.py) of the test modules selected in this session; at its end wait for them."""
-    selected = {Path(item.path).stem for item in request.session.items}
-    names = [name for name, job in early.JOBS.items() if job.__module__ in selected]
+    """Start the early jobs (early.py) that the selected tests use (by a fixture of the job's name); at the end of
+    the session wait for them."""
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    names = [name for name in early.JOBS if name in used]
     pool = early.start(names, lambda name: tmp_path_factory.mktemp(name))
     yield
     if pool is not None:

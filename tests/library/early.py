@@ -3,8 +3,8 @@ waits (a hung rank's timeout, sleeping steps) overlap with other tests' start-up
 asserted (the doctor's, the gap's) first wait for them to end (`quiet`), so that nothing of ours competes with
 them for the cores.
 
-A test module registers a job with `@early("name")` (a function of a fresh folder); its fixture reads the
-result with `result("name")`. conftest.py starts the jobs of the modules selected in this session.
+A test module registers a job with `@early("name")` (a function of a fresh folder) and a fixture of the same
+name that returns `result("name")`; conftest.py starts the jobs whose fixture a selected test uses.
 """
 
 from collections.abc import Callable

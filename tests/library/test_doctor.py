@@ -70,6 +70,8 @@ def causes(tmp_path_factory) -> dict[str, tuple[dict, str]]:
 
 def test_report_is_printed_once_with_a_row_per_rank(causes):
     """Rank 0 alone prints the report; it has one table row per rank and the verdict."""
+    for name, (summary, _) in causes.items():  # for docs/measurements.md
+        print(name, summary and [round(r["peak_mem_mb"]) for r in summary["ranks"]])
     summary, out = causes["data-bound"]
     assert out.count("Scaling doctor: 2 x cpu, 17 steps") == 1  # 20 steps minus 3 warm-up
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
@@ -208,10 +210,15 @@ def preflights(base: Path) -> dict[str, subprocess.CompletedProcess]:
     return concurrently(preflight, PREFLIGHTS)
 
 
-def test_preflight_reports_ranks_backend_and_workers():
+@pytest.fixture(scope="module")
+def preflight() -> dict[str, subprocess.CompletedProcess]:
+    return early.result("preflight")
+
+
+def test_preflight_reports_ranks_backend_and_workers(preflight):
     """`--preflight --devices 2 -- --trainer.accelerator cpu` where 2 GPUs are visible (faked):
     gloo, two CPU ranks that all-reduce, the configured workers."""
-    result = early.result("preflight")["2 GPUs, cpu"]
+    result = preflight["2 GPUs, cpu"]
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "visible devices (torch.cuda.device_count()): 2" in out and "backend: gloo" in out
@@ -219,10 +226,10 @@ def test_preflight_reports_ranks_backend_and_workers():
     assert "   0 | cpu |" in out and "   1 | cpu |" in out and "ok: 2 processes joined one gloo group" in out
 
 
-def test_preflight_on_gpus_names_nccl_and_refuses_more_ranks_than_gpus():
+def test_preflight_on_gpus_names_nccl_and_refuses_more_ranks_than_gpus(preflight):
     """With 1 GPU visible (faked) and the accelerator left to `auto`, 2 ranks: backend nccl, refused before any
     rank starts."""
-    result = early.result("preflight")["1 GPU, auto"]
+    result = preflight["1 GPU, auto"]
     assert result.returncode == 1, result.stdout + result.stderr
     assert "backend: nccl" in result.stdout and "rank |" not in result.stdout
     assert result.stderr.strip().splitlines()[-1] == "2 devices requested but only 1 visible"
@@ -239,3 +246,16 @@ def test_overhead_is_small():
     # The target is < 2% of a step. Asserted: the doctor's own per-step code stays under 10% of the toy's
     # step (the A/B figure is printed only: it swings too much on a shared machine, docs/measurements.md).
     assert measured["hooks_pct_of_step"] < 10
+
+
+def test_sweep_runs_the_projects_main_or_the_one_named(tmp_path, monkeypatch):
+    """`python -m ddpkit.scaling` runs ./main.py from the project's root, a `--main` file, or a `--main` module
+    with `python -m`; without a main.py it stops with one error line before any run."""
+    from ddpkit.scaling import main_command
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="^error: no main.py here: run from the project's root"):
+        main_command("main.py")
+    (tmp_path / "main.py").touch()
+    assert main_command("main.py") == [sys.executable, str(tmp_path / "main.py")]
+    assert main_command("ddpkit.toy") == [sys.executable, "-m", "ddpkit.toy"]

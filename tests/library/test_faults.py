@@ -33,15 +33,20 @@ def fault_runs(base: Path) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    """{scenario (save0..save2 for kill9-save): faults.Result}."""
-    return early.result("faults")[0]
+def faults() -> tuple[dict, dict]:
+    return early.result("faults")
 
 
 @pytest.fixture(scope="module")
-def resumed() -> dict:
+def results(faults) -> dict:
+    """{scenario (save0..save2 for kill9-save): faults.Result}."""
+    return faults[0]
+
+
+@pytest.fixture(scope="module")
+def resumed(faults) -> dict:
     """{name: (last.ckpt, output)} of `resume`."""
-    return early.result("faults")[1]
+    return faults[1]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
