@@ -1,7 +1,7 @@
 """The all-reduce alone, outside any training: the independent measurement the doctor's comm part is checked
-against (tests/test_scaling_gap.py).
+against (test_scaling_gap.py).
 
-    torchrun --standalone --nproc_per_node 2 tests/allreduce_alone.py MB [MB ...]
+    torchrun --standalone --nproc_per_node 2 tests/library/allreduce_alone.py MB [MB ...]
 
 Each rank all-reduces a float32 tensor of each size over gloo as DDP's default comm hook does (divide by
 the world size, all-reduce asynchronously, a callback when it completes), 3 times to warm up, then `REPS`

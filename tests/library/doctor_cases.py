@@ -1,13 +1,15 @@
 """Runs with a known cause of poor scaling, for the doctor's tests: select them with --model / --data.
 
-Each class adds exactly one cause to the tests' own module or data (toy.py); `tests/` must be on PYTHONPATH.
+Each class adds exactly one cause to the library's toy module or data (ddpkit.toy); this folder must be on
+PYTHONPATH (procs.ON_PATH puts it there).
 """
 
 import time
 
 import torch
 from torch.utils.data import ConcatDataset, Dataset
-from toy import ToyClassifier, ToyData
+
+from ddpkit.toy import ToyClassifier, ToyData
 
 
 class _Sleepy(Dataset):

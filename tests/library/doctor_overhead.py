@@ -1,6 +1,6 @@
 """Measure what the scaling doctor costs per step: alternating fits with and without it, in one process.
 
-    python tests/doctor_overhead.py --reps 5 --steps 300
+    python tests/library/doctor_overhead.py --reps 5 --steps 300
 
 One process with one thread (strategy ddp on 1 CPU device, so the comm hook is in the path; more threads
 would spin against other processes on a shared machine), no logger, bar or checkpoints: the run is the
@@ -14,19 +14,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: one thread, as one DDP rank per core gets
 
 import lightning as L  # noqa: E402
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # project, tests
-
-from toy import ToyClassifier, ToyData  # noqa: E402
-
 from ddpkit.doctor import ScalingDoctor  # noqa: E402
+from ddpkit.toy import ToyClassifier, ToyData  # noqa: E402
 
 
 class StepClock(L.Callback):

@@ -4,7 +4,7 @@ Its "compute" sleeps `fixed_ms + per_sample_ms x per-device batch`, so 1, 2, 4 a
 behave like that many devices, while its gradient (`grad_mb` of zeros) is all-reduced for real by DDP
 over gloo. Each cause of a scaling gap can be added on its own: a per-batch loading delay (SleepyData),
 a large gradient, a straggler rank, CPU work instead of sleep (oversubscription when ranks outnumber the
-cores), a large fixed cost per step (a per-device batch too small for it). `tests/` on PYTHONPATH.
+cores), a large fixed cost per step (a per-device batch too small for it). This folder on PYTHONPATH.
 
 Several runs started at once take turns to train (TURNS): they start up together, which is most of a
 short run, but time their steps one run at a time, so that one run's CPU work (its steps, or its
@@ -20,7 +20,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
-from toy import ToyData
+
+from ddpkit.toy import ToyClassifier, ToyData
 
 # "DIR,COUNT": every run's rank 0 marks itself ready in DIR, waits until COUNT runs are (or 900 s pass),
 # then holds an exclusive lock on DIR/turn from the start of training to its end. The lock holder writes
@@ -58,7 +59,25 @@ def _take_turn(rank: int, pids: list[int]) -> int | None:
     return fd
 
 
-class Sleepy(L.LightningModule):
+class InTurn(L.LightningModule):
+    """Trains only in its run's turn (TURNS): the turn is taken before the first step, released after the last."""
+
+    def on_train_start(self) -> None:
+        pids = self.trainer.strategy.all_gather(torch.tensor(os.getpid())).reshape(-1).tolist()
+        self._turn = _take_turn(self.global_rank, pids)
+        self.trainer.strategy.barrier()  # the other ranks start with rank 0
+
+    def on_train_end(self) -> None:
+        self.trainer.strategy.barrier()  # every rank has finished (the doctor has reported) before the next run
+        if self._turn is not None:
+            os.close(self._turn)  # releases the lock
+
+
+class ToyInTurn(InTurn, ToyClassifier):
+    """The toy classifier (real compute), training in its turn."""
+
+
+class Sleepy(InTurn):
     """Sleeps instead of computing; its gradient is real and all-reduced.
 
     Args:
@@ -85,16 +104,6 @@ class Sleepy(L.LightningModule):
         self.slow_rank, self.spin = slow_rank, spin
         self.weight = nn.Parameter(torch.zeros(int(grad_mb * 2**18)))  # 2**18 float32 = 1 MB
 
-    def on_train_start(self) -> None:
-        pids = self.trainer.strategy.all_gather(torch.tensor(os.getpid())).reshape(-1).tolist()
-        self._turn = _take_turn(self.global_rank, pids)
-        self.trainer.strategy.barrier()  # the other ranks start with rank 0
-
-    def on_train_end(self) -> None:
-        self.trainer.strategy.barrier()  # every rank has finished (the doctor has reported) before the next run
-        if self._turn is not None:
-            os.close(self._turn)  # releases the lock
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, _ = batch
         ms = self.fixed_ms + self.per_sample_ms * len(x)
@@ -109,16 +118,16 @@ class Sleepy(L.LightningModule):
         return self.weight.sum() * 0.0  # a gradient of zeros for every weight: DDP all-reduces all of it
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val/acc", 0.0, sync_dist=True)  # for the checkpoint callback of tests/toy.yaml
+        self.log("val/acc", 0.0, sync_dist=True)  # for the checkpoint callback of ddpkit/toy.yaml
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
     # The sleep stands for all of a step's compute. A real optimizer step and a fresh gradient buffer every
-    # step would add CPU work that grows with `grad_mb` and does not shrink with the per-device batch (48 ms
-    # per step at 32 MB on this 2-core host, more than the all-reduce's 39 ms at 2 ranks): the large-gradient
-    # case would then be compute-bound. The gradient is zeros and the learning rate 0, so skipping both
-    # changes nothing but that cost; DDP still all-reduces the whole gradient every step.
+    # step would add CPU work that grows with `grad_mb` and does not shrink with the per-device batch (at 32 MB
+    # more than the all-reduce itself: docs/measurements.md): the large-gradient case would be compute-bound.
+    # The gradient is zeros and the learning rate 0, so skipping both changes nothing but that cost; DDP still
+    # all-reduces the whole gradient every step.
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         optimizer_closure()  # forward and backward (with DDP's all-reduce), no update
 

@@ -7,9 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from fake_cuda import SITECUSTOMIZE as FAKE_CUDA_SITECUSTOMIZE
-from helpers import PROJECT, run_main, run_ok
-from toy import PlainToyData, ToyClassifier
+from procs import fake_gpus_env, toy, toy_ok
 
 from ddpkit.cli import (
     BadInput,
@@ -20,18 +18,15 @@ from ddpkit.cli import (
     plain_datamodule_warning,
     resolve_ckpt_path,
 )
+from ddpkit.toy import PlainToyData, ToyClassifier
 
-TOY = ("--config", str(PROJECT / "tests/toy.yaml"))  # the tests' own model and data
-TESTS_ON_PATH = {"PYTHONPATH": str(PROJECT / "tests")}
-
-# Runs on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank was spawned.
-# Then fakes the GPUs a case asks for (FAKE_CUDA_DEVICES).
+# Runs at start-up on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank
+# was spawned. Then procs.FAKE_CUDA fakes the GPUs a case asks for (FAKE_CUDA_DEVICES).
 SPAWN_MARKER = """
 import os
 if os.environ.get("LOCAL_RANK", "0") != "0":
     open(os.environ["SPAWN_MARKER"], "w").close()
 """
-SITECUSTOMIZE = SPAWN_MARKER + FAKE_CUDA_SITECUSTOMIZE
 
 
 class Payload:
@@ -82,19 +77,19 @@ def outcomes(tmp_path_factory):
     """Each bad command on 2 CPU processes, run three at a time, each in an empty directory."""
     base = tmp_path_factory.mktemp("bad")
     ckpts = checkpoints(base / "ckpts")
-    (base / "site").mkdir()
-    (base / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    site = fake_gpus_env(base / "site", 0, SPAWN_MARKER)  # written once, before the runs start
+    del site["FAKE_CUDA_DEVICES"]  # set below for the cases that fake GPUs; the others see this machine's
 
     def run(name):
         cwd = base / name.replace(" ", "_")
         cwd.mkdir()
         args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
         marker = base / f"{cwd.name}.spawned"
-        env = {"PYTHONPATH": f"{base / 'site'}:{PROJECT / 'tests'}", "SPAWN_MARKER": str(marker)}
+        env = {**site, "SPAWN_MARKER": str(marker)}
         if name in VISIBLE_GPUS:
             env["FAKE_CUDA_DEVICES"] = str(VISIBLE_GPUS[name])
-        result = run_main(
-            "fit", *TOY, "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
+        result = toy(
+            "fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
         )
         return name, (result, marker.exists(), sorted(p.name for p in cwd.iterdir()))
 
@@ -102,7 +97,6 @@ def outcomes(tmp_path_factory):
         return dict(pool.map(run, CASES))
 
 
-@pytest.mark.machinery
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_fails_fast_with_one_line(outcomes, name):
     """Status 2 and an `error:` line naming the problem; no rank 1 process started; no file written."""
@@ -137,7 +131,6 @@ def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
         check_state_dict_fits(ToyClassifier(hidden_dim=8), path)
 
 
-@pytest.mark.machinery
 def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_path):
     """monitor: val_acc (the toy model logs val/acc): the run stops at the sanity check, before any training
     step or checkpoint, and names the keys the module does log."""
@@ -145,23 +138,21 @@ def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_p
         "trainer:\n  callbacks:\n"
         "    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint\n"
         "      init_args:\n        monitor: val_acc\n"
-    )  # merged into the list entry of toy.yaml with the same class
+    )  # merged into the list entry of ddpkit/toy.yaml with the same class
     cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path))
-    result = run_main("fit", *TOY, "--config", str(tmp_path / "monitor.yaml"), *cpu, cwd=tmp_path, env=TESTS_ON_PATH)
+    result = toy("fit", "--config", str(tmp_path / "monitor.yaml"), *cpu, cwd=tmp_path)
     assert result.returncode != 0, result.stdout[-3000:]
     expected = "ModelCheckpoint monitors 'val_acc', which the module does not log in validation; it logs ['val/acc', "
     assert expected in result.stdout, result.stdout[-3000:]
     assert not list(tmp_path.rglob("*.ckpt")) and "Epoch 0:" not in result.stdout
 
 
-@pytest.mark.machinery
 def test_plain_datamodule_runs_with_one_warning_line(tmp_path):
     """A plain LightningDataModule trains on 2 processes; the CLI says once, before any rank starts, what it loses."""
     cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_steps", "2")
-    out = run_ok(
-        "fit", *TOY, "--data", "toy.PlainToyData", *cpu, "--trainer.default_root_dir", str(tmp_path),
-        cwd=tmp_path, env=TESTS_ON_PATH,
-    )  # fmt: skip
+    out = toy_ok(
+        "fit", "--data", "ddpkit.toy.PlainToyData", *cpu, "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path
+    )
     lines = [line for line in out.splitlines() if "is a plain LightningDataModule" in line]
     assert lines == [plain_datamodule_warning(PlainToyData())]
     assert "subclass ddpkit.GlobalBatchDataModule" in lines[0]

@@ -1,21 +1,19 @@
 """Faults in a 2-process job: it ends non-zero, names the rank, leaves no process behind, and keeps its checkpoints.
 
-The scenarios are the ones `faults.py` runs (a test-only model from tests/faulty.py
-injects them); the process-group timeout is 20 s here instead of 300 s. Machinery tests with the
-tests' own model: `pytest -m machinery`.
+The scenarios are the ones `python -m ddpkit.faults` runs (ddpkit.toy.FaultyClassifier injects them); the
+process-group timeout is 20 s here instead of 300 s.
 """
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import early
 import pytest
 import torch
-from helpers import PROJECT, concurrently, run_ok
+from procs import concurrently, toy_ok
 
+from ddpkit.faults import checkpoint_ok, run_scenario
 from ddpkit.parity import max_abs
-
-from faults import checkpoint_ok, run_scenario
-
-pytestmark = pytest.mark.machinery
 
 TIMEOUT = 20  # --dist_timeout of the runs
 BOUND = TIMEOUT + 40  # generous: start-up of a rank on a loaded 2-core machine takes seconds
@@ -23,14 +21,32 @@ SCENARIOS = ["raise", "exit", "hang", "sigterm", "sigterm-rank1", "sigint", "kil
 STEPS = 48  # 3 epochs of 16 steps: the uninterrupted run ends on an epoch end, where last.ckpt is written
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Each scenario once, two at a time (most of a hang is waiting), plus kill -9 during writes 3 times."""
-    base = tmp_path_factory.mktemp("faults")
+@early.early("faults")
+def fault_runs(base: Path) -> tuple[dict, dict]:
+    """Each scenario once, two at a time (most of a hang is waiting), plus kill -9 during writes 3 times; then
+    the resumed runs (`resume`). Started with the session (early.py): nothing here is a timing."""
     jobs = [(name, base / name) for name in SCENARIOS] + [("kill9-save", base / f"save{i}") for i in range(3)]
     with ThreadPoolExecutor(2) as pool:
         done = list(pool.map(lambda job: run_scenario(*job, dist_timeout=TIMEOUT, max_steps=STEPS), jobs))
-    return {result.workdir.name: result for result in done}  # keyed by scenario, save0..save2
+    results = {result.workdir.name: result for result in done}  # keyed by scenario, save0..save2
+    return results, resume(results, base / "resumed")
+
+
+@pytest.fixture(scope="module")
+def faults() -> tuple[dict, dict]:
+    return early.result("faults")
+
+
+@pytest.fixture(scope="module")
+def results(faults) -> dict:
+    """{scenario (save0..save2 for kill9-save): faults.Result}."""
+    return faults[0]
+
+
+@pytest.fixture(scope="module")
+def resumed(faults) -> dict:
+    """{name: (last.ckpt, output)} of `resume`."""
+    return faults[1]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -71,13 +87,11 @@ def test_kill_during_checkpoint_writes_keeps_last_loadable(results):
     assert all(checkpoint_ok(r.workdir / "checkpoints/last.ckpt") for r in saves), [r.output[-2000:] for r in saves]
 
 
-@pytest.fixture(scope="module")
-def resumed(results, tmp_path_factory):
+def resume(results: dict, base: Path) -> dict:
     """The run stopped by SIGTERM mid-epoch resumed from the file it named, the run killed in epoch 1 resumed
     with `--ckpt_path last` in its own directory, and a run never stopped: {name: (last.ckpt, output)}."""
-    base = tmp_path_factory.mktemp("resumed")
-    env = {"PYTHONPATH": str(PROJECT / "tests")}
-    common = ["fit", "--config", str(PROJECT / "tests/toy.yaml"), "--model", "faulty.FaultyClassifier"]
+    base.mkdir()
+    common = ["fit", "--model", "ddpkit.toy.FaultyClassifier"]
     common += ["--trainer.accelerator", "cpu", "--trainer.devices", "2"]
     common += ["--trainer.max_steps", str(STEPS)]
     common += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
@@ -89,8 +103,8 @@ def resumed(results, tmp_path_factory):
         "straight": [],
     }
     outputs = concurrently(
-        lambda name: run_ok(
-            *common, *runs[name], "--trainer.default_root_dir", str(roots[name]), cwd=base, env=env, timeout=240
+        lambda name: toy_ok(
+            *common, *runs[name], "--trainer.default_root_dir", str(roots[name]), cwd=base, timeout=240
         ),
         runs,
     )

@@ -5,9 +5,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils.data import TensorDataset
-from toy import ToyData
 
-from ddpkit.sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
+from ddpkit.sampling import (
+    BlockSampler,
+    GlobalBatchSampler,
+    ResumableLoader,
+    eval_sampler,
+)
+from ddpkit.toy import ToyData
 
 DATA = TensorDataset(torch.arange(103))
 

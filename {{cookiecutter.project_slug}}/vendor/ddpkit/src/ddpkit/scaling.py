@@ -1,14 +1,16 @@
 """Scaling sweep and preflight: how fast this project trains on 1, 2, ... devices, and why.
 
-    python scaling.py --devices 1 2 4 -- --trainer.max_steps 300     # one short fit per device count
-    python scaling.py --explain RUN_1 RUN_N                          # why RUN_N is not N times faster
-    python scaling.py --preflight --devices 4                        # what each process will see
+    python -m ddpkit.scaling --devices 1 2 4 -- --trainer.max_steps 300   # one short fit per device count
+    python -m ddpkit.scaling --explain RUN_1 RUN_N                        # why RUN_N is not N times faster
+    python -m ddpkit.scaling --preflight --devices 4                      # what each process will see
 
-The sweep runs `python main.py fit --trainer.devices N <your fit args>` once per device count, as real
-processes, with the same *global* batch (config.yaml's global_batch_size is split over the devices), so
-rows compare like with like. The scaling doctor of each run writes doctor.json; this script collects them
-into <out>/scaling.md, <out>/scaling.json and <out>/scaling.png (speed-up against the ideal line and
-the gap by cause; the plot needs matplotlib: `pip install -e ".[scaling]"`). Each run's full output is in
+Run it from the project's root: it runs the project's `main.py` there, or the one `--main PATH` names
+(`--main ddpkit.toy`, a module name, runs `python -m ddpkit.toy`: the library's own toy model). The sweep
+runs `python main.py fit --trainer.devices N <your fit args>` once per device count, as real processes,
+with the same *global* batch (config.yaml's global_batch_size is split over the devices), so rows compare
+like with like. The scaling doctor of each run writes doctor.json; this script collects them into
+<out>/scaling.md, <out>/scaling.json and <out>/scaling.png (speed-up against the ideal line and the gap by
+cause; the plot needs matplotlib: `pip install -e ".[scaling]"`). Each run's full output is in
 <out>/devices_N.log.
 
 How to read the decomposition. The ideal step on N devices is the fewest-device run's step x its devices
@@ -47,7 +49,14 @@ from pathlib import Path
 
 from ddpkit.gap import PARTS, explain, format_explain, measured_without_contention, predict
 
-MAIN = Path(__file__).resolve().with_name("main.py")
+
+def main_command(main: str) -> list[str]:
+    """The command that starts the project CLI: `python PATH` for a file, `python -m NAME` for a module name."""
+    if main.endswith(".py") or Path(main).exists():
+        if not Path(main).is_file():
+            raise SystemExit(f"error: no {main} here: run from the project's root, or name it with --main PATH")
+        return [sys.executable, str(Path(main).resolve())]
+    return [sys.executable, "-m", main]
 
 
 def visible_cores() -> int:
@@ -67,11 +76,14 @@ def threads_per_process(devices: list[int]) -> int:
     return max(1, visible_cores() // max(devices))
 
 
-def run_fit(devices: int, root: Path, fit_args: list[str], max_steps: int, timeout: float, threads: int) -> dict:
-    """One fit on `devices` devices under `root`, `threads` CPU threads per process; return its doctor summary."""
+def run_fit(
+    main: list[str], devices: int, root: Path, fit_args: list[str], max_steps: int, timeout: float, threads: int
+) -> dict:
+    """One fit (`main`: the command of main_command) on `devices` devices under `root`, `threads` CPU threads per
+    process; return its doctor summary."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    cmd = [sys.executable, str(MAIN), "fit", "--trainer.devices", str(devices), "--trainer.max_steps", str(max_steps)]
+    cmd = [*main, "fit", "--trainer.devices", str(devices), "--trainer.max_steps", str(max_steps)]
     cmd += ["--trainer.default_root_dir", str(root), "--doctor.measure_comm", "true"]  # worth its cost in a sweep
     cmd += fit_args  # the user's args come last and win
     log = root.with_suffix(".log")
@@ -233,13 +245,15 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def sweep(devices: list[int], out: Path, fit_args: list[str], max_steps: int, timeout: float) -> list[dict]:
+def sweep(
+    main: list[str], devices: list[int], out: Path, fit_args: list[str], max_steps: int, timeout: float
+) -> list[dict]:
     summaries = []
     threads = threads_per_process(devices)
     print(f"{threads} CPU thread(s) per process in every run (OMP_NUM_THREADS)", flush=True)
     for n in devices:
         print(f"fit on {n} device(s) ...", flush=True)
-        summaries.append(run_fit(n, out / f"devices_{n}", fit_args, max_steps, timeout, threads))
+        summaries.append(run_fit(main, n, out / f"devices_{n}", fit_args, max_steps, timeout, threads))
     rows = table_rows(summaries)
     predicted = predictions(summaries, sorted({n for n in [*devices, 4, 8] if n > 2}))
     table = markdown(rows, predicted)
@@ -278,13 +292,11 @@ def _rank_report(rank: int, world: int, port: int, queue, cuda: bool) -> None:
     dist.destroy_process_group()
 
 
-def _fit_config(fit_args: list[str]) -> dict | None:
+def _fit_config(main: list[str], fit_args: list[str]) -> dict | None:
     """The merged config of a fit with these args (`main.py fit --print_config`), None if it fails."""
     import yaml
 
-    out = subprocess.run(
-        [sys.executable, str(MAIN), "fit", *fit_args, "--print_config"], capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([*main, "fit", *fit_args, "--print_config"], capture_output=True, text=True, timeout=300)
     return yaml.safe_load(out.stdout) if out.returncode == 0 else None
 
 
@@ -302,12 +314,12 @@ def _uses_cuda(config: dict | None, cuda_available: bool) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and cuda_available)
 
 
-def preflight(devices: int, fit_args: list[str]) -> None:
+def preflight(main: list[str], devices: int, fit_args: list[str]) -> None:
     """Print what the seed guides say to check by hand before a multi-device run."""
     import torch
     import torch.multiprocessing as mp
 
-    config = _fit_config(fit_args)
+    config = _fit_config(main, fit_args)
     cuda = _uses_cuda(config, torch.cuda.is_available())  # the fit's accelerator: cpu means gloo, GPUs or not
     cores = visible_cores()
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
@@ -364,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, fit_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--main",
+        default="main.py",
+        help="the project CLI to run: a file (default ./main.py) or a module name (ddpkit.toy: the toy model)",
+    )
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="device counts to run (default 1 2)")
     parser.add_argument("--out", type=Path, default=Path("scaling"), help="output directory (default ./scaling)")
     parser.add_argument("--max-steps", type=int, default=100, help="optimizer steps per fit (default 100)")
@@ -380,10 +397,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.explain:
         explain_runs(args.explain)
     elif args.preflight:
-        preflight(max(args.devices), fit_args)
+        preflight(main_command(args.main), max(args.devices), fit_args)
     else:
+        main = main_command(args.main)  # before any folder is made: a wrong --main fails at once
         args.out.mkdir(parents=True, exist_ok=True)
-        sweep(args.devices, args.out, fit_args, args.max_steps, args.timeout)
+        sweep(main, args.devices, args.out, fit_args, args.max_steps, args.timeout)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
-"""A tiny classifier and data module of the tests' own, so the machinery's tests never need the example.
+"""The library's own toy model and data: what its tests and `python -m ddpkit.faults` train, whatever a project's
+config.yaml selects, so that deleting or replacing a project's example breaks neither.
 
-Synthetic data (10 Gaussian blobs in 64 dimensions, made from a fixed seed) with the same sizes as the
-bundled digits: 1,079 training samples (16 global batches of 64), 359 validation, 359 test. Selected
-with `--config tests/toy.yaml` and `tests/` on PYTHONPATH; the fault and doctor cases subclass these.
+    python -m ddpkit.toy fit --trainer.accelerator cpu --trainer.devices 2
+
+runs the toy through the project CLI (`ddpkit.cli.main`) over its own config (`toy.yaml` beside this file):
+synthetic data (10 Gaussian blobs in 64 dimensions, from a fixed seed) sized like the digits example, 1,079
+training samples (16 global batches of 64), 359 validation, 359 test. `FaultyClassifier` misbehaves on request.
 """
+
+import os
+import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -13,8 +20,9 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddpkit import GlobalBatchDataModule
+from .data import GlobalBatchDataModule
 
+CONFIG = Path(__file__).with_name("toy.yaml")
 FEATURES, CLASSES = 64, 10
 
 
@@ -98,13 +106,13 @@ class ToyClassifier(L.LightningModule):
         self.accs = nn.ModuleDict({stage: MulticlassAccuracy(CLASSES, average="micro") for stage in ("val", "test")})
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+        return self.net(x)  # (B, 64) -> (B, 10) logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         # Epoch-level, so the sync over ranks runs once per epoch: an all-reduce in every step would absorb a
-        # slow rank's lag there, where the doctor counts it as compute rather than waiting (test_doctor's straggler).
+        # slow rank's lag there, where the doctor counts it as compute rather than waiting (its straggler test).
         self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
@@ -127,3 +135,56 @@ class ToyClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class FaultyClassifier(ToyClassifier):
+    """ToyClassifier that fails on one rank at one step, or just trains slowly (`python -m ddpkit.faults`).
+
+    Args:
+        fault: "none", "raise" (an exception), "exit" (os._exit(3)) or "hang" (sleeps for an hour).
+        fault_rank: The global rank that misbehaves.
+        fault_step: The optimizer step at which it misbehaves; from then on every rank also
+            touches `marker` (so the caller knows training is under way).
+        step_sleep: Seconds each training step sleeps, to leave time to send a signal.
+        marker: A file created once `fault_step` is reached (empty: none).
+        ballast_mb: Size of an extra saved buffer, to make checkpoint writes slow.
+    """
+
+    def __init__(
+        self,
+        fault: str = "none",
+        fault_rank: int = 1,
+        fault_step: int = 3,
+        step_sleep: float = 0.0,
+        marker: str = "",
+        ballast_mb: int = 0,
+    ) -> None:
+        super().__init__()
+        self.fault, self.fault_rank, self.fault_step = fault, fault_rank, fault_step
+        self.step_sleep, self.marker = step_sleep, marker
+        self.register_buffer("ballast", torch.zeros(ballast_mb * 2**18))  # float32: 2**18 per MB
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.global_step >= self.fault_step:
+            if self.marker:
+                Path(self.marker).touch()
+            if self.global_rank == self.fault_rank and self.global_step == self.fault_step:
+                if self.fault == "raise":
+                    raise RuntimeError(f"injected fault on rank {self.global_rank}")
+                if self.fault == "exit":
+                    os._exit(3)
+                if self.fault == "hang":
+                    time.sleep(3600)
+        time.sleep(self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+
+def main(args: list[str] | None = None, run: bool = True):
+    """`main.py` for the toy: the project CLI over toy.yaml."""
+    from .cli import main as run_cli  # not at the top: the CLI imports far more than the model needs
+
+    return run_cli(CONFIG, args, run)
+
+
+if __name__ == "__main__":
+    main()

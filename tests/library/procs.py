@@ -1,0 +1,88 @@
+"""Real processes for the library's tests: the toy model through the project CLI (`python -m ddpkit.toy`), each
+run in its own session with a hard timeout, so a hung DDP job ends with all its ranks killed."""
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+TOY = [sys.executable, "-m", "ddpkit.toy"]  # a project's `python main.py`, on the library's own toy model
+# The test-only models (doctor_cases.py, sleepy.py) are selected by class path from this folder.
+ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+
+
+def start(cmd: list[str], cwd: Path, env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start `cmd` in its own session (one process group with every rank it launches); output to a pipe."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    full_env = {**os.environ, **ON_PATH, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=full_env, stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen
+    )
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill the process group of a process from `start`: the process and any rank it left behind."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the whole group has already exited
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a process from `start`; on timeout kill its whole group, then fail with its output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(proc.args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `cmd` to the end (see `finish`)."""
+    return finish(start(cmd, cwd, env), timeout)
+
+
+def toy(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m ddpkit.toy *args`: the project CLI on the toy model."""
+    return run([*TOY, *args], cwd, timeout, env)
+
+
+def toy_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
+    """Like `toy`, but fail with the tail of the output unless it exits 0; return the output."""
+    result = toy(*args, cwd=cwd, timeout=timeout, env=env)
+    assert result.returncode == 0, f"ddpkit.toy {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    return result.stdout
+
+
+def concurrently(job: Callable, names: Iterable[str], workers: int | None = None) -> dict:
+    """`job(name)` for every name, `workers` at a time (default all), as {name: result}: most of a short run
+    is start-up, which overlaps. The first job that raises fails the call (after the others have ended)."""
+    names = list(names)
+    with ThreadPoolExecutor(workers or len(names)) as pool:
+        return dict(zip(names, pool.map(job, names), strict=True))
+
+
+# Run at the start-up of every interpreter of a test's run (a `sitecustomize` on its PYTHONPATH): reports
+# FAKE_CUDA_DEVICES GPUs to code that only asks torch.cuda whether and how many, so the CLI's and the
+# preflight's GPU branches are taken on any machine; nothing can run on them. Imports torch only when asked.
+FAKE_CUDA = """
+import os
+if "FAKE_CUDA_DEVICES" in os.environ:
+    import torch
+    _gpus = int(os.environ["FAKE_CUDA_DEVICES"])
+    torch.cuda.is_available = lambda: _gpus > 0
+    torch.cuda.device_count = lambda: _gpus
+"""
+
+
+def fake_gpus_env(site: Path, gpus: int, extra_startup: str = "") -> dict[str, str]:
+    """Environment for a process that sees `gpus` GPUs; `site` is a fresh folder for the start-up hook."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(extra_startup + FAKE_CUDA)
+    return {"FAKE_CUDA_DEVICES": str(gpus), "PYTHONPATH": os.pathsep.join([str(site), ON_PATH["PYTHONPATH"]])}
