@@ -380,7 +380,7 @@ class ScalingDoctor(L.Callback):
     def _peak_memory(self) -> float:
         if self._cuda:
             return float(torch.cuda.max_memory_allocated(self._device))
-        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+        return float(host_peak_rss())
 
     def _context(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         loader = trainer.train_dataloader
@@ -439,3 +439,19 @@ def _allreduce_latency_ms(device: torch.device, reps: int = 20) -> float:
 def _write_json(path: Path, summary: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def host_peak_rss() -> int:
+    """This process's own peak resident memory in bytes.
+
+    Linux's `VmHWM` first: getrusage's maxrss survives fork and exec, so a rank started by a large process (a
+    notebook, a test runner) would report its parent's peak as its own.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux and BSDs report KiB
