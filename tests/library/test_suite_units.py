@@ -57,29 +57,39 @@ def test_loggers_take_the_slurm_job_id_as_version(tmp_path, monkeypatch):
     assert loggers[0].init_args.version == 1234
 
 
-# Builds the trainer (run=False) of the toy config (tests/library/toy.yaml) for three ways of naming the strategy;
+# Builds the trainer (run=False) of the library's toy config (ddpkit/toy.yaml) for three ways of naming the strategy;
 # prints each one's collective timeout. In a subprocess: building a Trainer sets up its environment.
 TIMEOUTS = """
 from ddpkit.cli import main
 from ddpkit.lightning_internals import ddp_timeout
+from ddpkit.toy import CONFIG
 
 cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false", "--dist_timeout", "20"]
 ddp = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"]
 bucket, timeout = [*ddp, "--trainer.strategy.bucket_cap_mb", "50"], [*ddp, "--trainer.strategy.timeout", "0:00:45"]
-for extra in (["--trainer.strategy", "ddp"], bucket, timeout):
-    strategy = main("toy.yaml", [*cpu, *extra], run=False).trainer.strategy
-    print("TIMEOUT", type(strategy).__name__, ddp_timeout(strategy).total_seconds())
+unused = ["--trainer.strategy", "ddp_find_unused_parameters_true"]
+for extra in (["--trainer.strategy", "ddp"], bucket, timeout, unused):
+    strategy = main(CONFIG, [*cpu, *extra], run=False).trainer.strategy
+    flag = strategy._ddp_kwargs.get("find_unused_parameters")  # what the alias means must survive
+    print("TIMEOUT", type(strategy).__name__, ddp_timeout(strategy).total_seconds(), flag)
 """
 
 
 def test_dist_timeout_reaches_a_strategy_given_as_a_class_path():
-    """--dist_timeout 20 applies to "ddp" and to a DDPStrategy class path with arguments (bucket_cap_mb, which
-    the doctor recommends; torch's 30-minute default used to come back there); a timeout set there is kept."""
+    """--dist_timeout 20 applies to "ddp", to its other registered names (ddp_find_unused_parameters_true, which
+    Lightning's own error names for unused parameters, keeping what the name means) and to a DDPStrategy class
+    path with arguments (bucket_cap_mb, which the doctor recommends; torch's 30-minute default used to come
+    back there); a timeout set there is kept."""
     cmd = [sys.executable, "-c", TIMEOUTS]
     result = subprocess.run(cmd, cwd=LIBRARY_TESTS, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TIMEOUT")]
-    assert lines == ["TIMEOUT TimedDDPStrategy 20.0", "TIMEOUT DDPStrategy 20.0", "TIMEOUT DDPStrategy 45.0"]
+    assert lines == [
+        "TIMEOUT TimedDDPStrategy 20.0 None",
+        "TIMEOUT DDPStrategy 20.0 False",
+        "TIMEOUT DDPStrategy 45.0 False",
+        "TIMEOUT TimedDDPStrategy 20.0 True",
+    ]
 
 
 def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import ddpkit
+from ddpkit import toy
 from ddpkit.cli import check_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +50,7 @@ def run(tmp_path_factory) -> tuple[Path, str]:
     (root / "main.py").write_text(MAIN)
     (root / "config.yaml").write_text(CONFIG)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "main.py", "fit", "--config", str(HERE / "toy.yaml"), "--trainer.default_root_dir", "."]
+    cmd = [sys.executable, "main.py", "fit", "--config", str(toy.CONFIG), "--trainer.default_root_dir", "."]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]

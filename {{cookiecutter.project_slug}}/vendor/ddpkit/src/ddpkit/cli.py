@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Learning
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.layer_sync import LayerSync
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
 from . import __version__
@@ -195,8 +195,9 @@ class CLI(SubcommandCLI):
         trainer = {**config.get("trainer", {}), **kwargs}
         timeout = timedelta(seconds=self.setting("dist_timeout"))
         strategy = trainer.get("strategy")
-        if strategy == "ddp":  # the registry's "ddp" is DDPStrategy() with a 30-minute timeout
-            kwargs["strategy"] = TimedDDPStrategy(timeout=timeout)
+        if isinstance(strategy, str) and ddp_alias(strategy) is not None:
+            # The registry's "ddp", "ddp_find_unused_parameters_true", ... build DDPStrategy with a 30-minute timeout.
+            kwargs["strategy"] = TimedDDPStrategy(timeout=timeout, **ddp_alias(strategy))
         elif isinstance(strategy, DDPStrategy) and ddp_timeout(strategy) in (None, default_pg_timeout):
             # A DDPStrategy built from a class path gets torch's 30-minute default, never None.
             set_ddp_timeout(strategy, timeout)
@@ -266,6 +267,13 @@ class CLI(SubcommandCLI):
                 message += f"; killed ranks {stuck}, still running (hung?)"
             sys.stderr.write(f"error: {message}\n")
             exit_now(1)
+
+
+def ddp_alias(name: str) -> dict | None:
+    """The DDPStrategy arguments a registered strategy name stands for ("ddp", "ddp_spawn",
+    "ddp_find_unused_parameters_true", ...), or None when the name is not a plain DDPStrategy."""
+    entry = StrategyRegistry.get(name) if name in StrategyRegistry else None
+    return dict(StrategyRegistry[name]["init_params"]) if type(entry) is DDPStrategy else None
 
 
 def plain_datamodule_warning(datamodule: Any) -> str:
