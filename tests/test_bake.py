@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEMPLATE, bake
+from bakes import TEMPLATE, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The user's project: what a default bake writes besides the library (vendor/ddpkit, checked as a whole below).

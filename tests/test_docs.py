@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEMPLATE, bake, torch_pin
+from bakes import TEMPLATE, bake, torch_pin
 from test_bake import run
 
 FEW = " --trainer.max_steps 20"  # fewer steps: enough for a validation pass, a checkpoint and the doctor

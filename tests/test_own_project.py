@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TEMPLATE
+from bakes import TEMPLATE
 from test_bake import run, workflow_steps
 
 VERSION_FILE = "{{cookiecutter.project_slug}}/vendor/ddpkit/src/ddpkit/__init__.py"

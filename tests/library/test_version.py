@@ -50,7 +50,9 @@ def run(tmp_path_factory) -> tuple[Path, str]:
     (root / "main.py").write_text(MAIN)
     (root / "config.yaml").write_text(CONFIG)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "main.py", "fit", "--config", str(toy.CONFIG), "--trainer.default_root_dir", "."]
+    # The toy's whole config, then this short fit's settings over it.
+    cmd = [sys.executable, "main.py", "fit", "--config", str(toy.CONFIG), "--config", "config.yaml",
+           "--trainer.default_root_dir", "."]  # fmt: skip
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]

@@ -1,0 +1,36 @@
+"""Baking the template, for the template's tests (a module of its own: tests/library has a conftest too, so
+`from conftest import ...` would be ambiguous)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from cookiecutter.main import cookiecutter
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+
+
+def bake(out_dir: Path, **context: str) -> Path:
+    """Generate a project with `context` overriding cookiecutter.json; return its directory."""
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out_dir), extra_context=context))
+
+
+def fresh_env(venv: Path) -> dict[str, str]:
+    """A new, empty virtual environment at `venv`, and the environment variables that put it first on PATH.
+
+    Nothing from the environment running the tests leaks in (no PYTHONPATH, no system site packages):
+    a baked project's commands run with exactly what its own install steps put there.
+    """
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+def torch_pin() -> str:
+    """The torch requirement a baked project pins (`torch==X.Y.Z`), from the template's pyproject.toml."""
+    text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "pyproject.toml").read_text()
+    return re.search(r'"(torch==[^"]+)"', text).group(1)
