@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from .lightning_internals import AnyDimBatchNorm, BatchNormBase, check_batchnorm_input
 
 
 class _GlobalBatchNormFunction(torch.autograd.Function):
@@ -78,7 +79,7 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-class GlobalBatchNorm(_BatchNorm):
+class GlobalBatchNorm(AnyDimBatchNorm):
     """A BatchNorm layer whose training statistics are those of the batch summed over all ranks (any backend).
 
     Built from an existing BatchNorm layer, it shares that layer's parameters and buffers, under the same
@@ -86,7 +87,7 @@ class GlobalBatchNorm(_BatchNorm):
     only one process runs, it is exactly the layer it was built from.
     """
 
-    def __init__(self, layer: _BatchNorm, process_group=None) -> None:
+    def __init__(self, layer: BatchNormBase, process_group=None) -> None:
         super().__init__(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
         self.weight, self.bias = layer.weight, layer.bias
         self.running_mean, self.running_var = layer.running_mean, layer.running_var
@@ -96,16 +97,11 @@ class GlobalBatchNorm(_BatchNorm):
         # Not a submodule: it would be a second copy of the weights in the state dict.
         object.__setattr__(self, "_layer", layer)
 
-    def _check_input_dim(self, input: Tensor) -> None:
-        # One class for 1d/2d/3d inputs; the layer it replaces already checked what its model feeds it.
-        if input.dim() < 2:
-            raise ValueError(f"expected an input of 2 or more dimensions (N, C, ...), got {input.dim()}")
-
     def forward(self, x: Tensor) -> Tensor:
         world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
         if not self.training or world == 1:
             return super().forward(x)  # nn.BatchNorm's own path: running stats in eval, local batch alone
-        self._check_input_dim(x)
+        check_batchnorm_input(x)  # one class for 1d/2d/3d: the layer it replaces checked the rest
         factor = 0.0
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
@@ -118,7 +114,7 @@ class GlobalBatchNorm(_BatchNorm):
                 self.running_var.mul_(1 - factor).add_(var.to(self.running_var.dtype), alpha=factor)
         return y
 
-    def plain(self) -> _BatchNorm:
+    def plain(self) -> BatchNormBase:
         """The layer this was built from, holding this layer's current parameters, buffers and mode."""
         layer = self._layer
         # Moving or converting the model (.to, .double) replaced this layer's buffers and parameter data.
@@ -143,7 +139,7 @@ class SyncBatchNormAnyDevice(TorchSyncBatchNorm):
     def _convert(self, module: nn.Module) -> nn.Module:
         if isinstance(module, GlobalBatchNorm):
             return module
-        if isinstance(module, _BatchNorm):  # torch's SyncBatchNorm too: it cannot run on CPU
+        if isinstance(module, BatchNormBase):  # torch's SyncBatchNorm too: it cannot run on CPU
             return GlobalBatchNorm(module)
         for name, child in module.named_children():
             module.add_module(name, self._convert(child))
@@ -161,7 +157,7 @@ class SyncBatchNormAnyDevice(TorchSyncBatchNorm):
 
 def unsynced_batchnorm_warning(model: nn.Module, world_size: int, synced: bool) -> str | None:
     """One line when `model`'s BatchNorm layers would train on `world_size` > 1 processes unsynchronized, else None."""
-    layers = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    layers = [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]
     if synced or world_size < 2 or not layers:
         return None
     return (

@@ -18,6 +18,7 @@ from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every BatchNorm*d, and SyncBatchNorm
 
 # (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
 # `_timeout` and `_ddp_comm_hook`, a ThroughputMonitor's `_throughputs`) are tested through their helpers.
@@ -33,6 +34,8 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (torch.distributed.distributed_c10d, "_set_pg_timeout"),
     (checkpoint_wrapper, "apply_activation_checkpointing"),
     (_FitLoop, "_load_combined_loader_states"),
+    (torch.nn.modules.batchnorm, "_BatchNorm"),
+    (BatchNormBase, "_check_input_dim"),
 ]
 
 
@@ -158,3 +161,17 @@ def load_pending_train_loader_states(trainer: Any) -> None:
     before the first epoch's loader iterator exists; a no-op when nothing is pending.
     """
     trainer.fit_loop._load_combined_loader_states()
+
+
+def check_batchnorm_input(input: torch.Tensor) -> None:
+    """What a BatchNorm layer of any dimension accepts: (N, C, ...)."""
+    if input.dim() < 2:
+        raise ValueError(f"expected an input of 2 or more dimensions (N, C, ...), got {input.dim()}")
+
+
+class AnyDimBatchNorm(BatchNormBase):
+    """A BatchNorm layer for 1d, 2d and 3d inputs alike: torch's BatchNorm1d/2d/3d differ only in the input
+    check, a private method; one class can stand in for all three."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        check_batchnorm_input(input)
