@@ -27,9 +27,8 @@ OWN_DATA = '''
 import math
 
 import torch
-from torch.utils.data import Dataset
-
 from ddpkit import GlobalBatchDataModule
+from torch.utils.data import Dataset
 
 
 class Wave(Dataset):
