@@ -3,13 +3,16 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from cookiecutter.main import cookiecutter
 
 TEMPLATE = Path(__file__).resolve().parents[1]
+WORKFLOW = ".github/workflows/tests.yml"
 
 
 def bake(out_dir: Path, **context: str) -> Path:
@@ -34,3 +37,23 @@ def torch_pin() -> str:
     """The torch requirement a baked project pins (`torch==X.Y.Z`), from the template's pyproject.toml."""
     text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "pyproject.toml").read_text()
     return re.search(r'"(torch==[^"]+)"', text).group(1)
+
+
+def run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; kill the whole group on timeout."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def workflow_steps(project: Path) -> list[str]:
+    """The `run:` commands of the baked GitHub Actions workflow, in order."""
+    steps = yaml.safe_load((project / WORKFLOW).read_text())["jobs"]["cpu"]["steps"]
+    return [step["run"] for step in steps if "run" in step]

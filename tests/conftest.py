@@ -1,6 +1,7 @@
 """Fixtures of the template's tests: baked projects and a fresh virtual environment."""
 
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,13 @@ def baked_env(tmp_path_factory) -> dict[str, str]:
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return env
+
+
+@pytest.fixture(scope="session")
+def own_project_story(tmp_path_factory) -> Future:
+    """The user's-project story (tests/own_project.py), started in the background the first time a test asks:
+    the docs tests ask first, so the two overlap (neither asserts a duration). Its tests wait for the record."""
+    from own_project import story
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(story, tmp_path_factory.mktemp("own"))

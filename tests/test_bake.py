@@ -1,18 +1,13 @@
 """Baking the template: the files it writes, the names it refuses, and the project's own tests."""
 
-import os
 import py_compile
 import re
-import shlex
-import signal
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-import yaml
-from bakes import TEMPLATE, bake
+from bakes import TEMPLATE, WORKFLOW, bake, run, workflow_steps
 from cookiecutter.exceptions import FailedHookException
 
 # The user's project: what a default bake writes besides the library (vendor/ddpkit, checked as a whole below).
@@ -53,7 +48,6 @@ LM_EXAMPLE = {
     "tests/examples/test_lm_sharded.py",
 }
 LIBRARY = TEMPLATE / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"
-WORKFLOW = ".github/workflows/tests.yml"
 
 
 def files(project: Path) -> set[str]:
@@ -69,20 +63,6 @@ def library_files(root: Path) -> dict[str, bytes]:
         for p in root.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p)
     }
-
-
-def run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; kill the whole group on timeout."""
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
 def test_default_bake_writes_exactly_the_expected_files(default_project):
@@ -251,12 +231,6 @@ def test_cookiecutter_command_line_no_input(tmp_path):
     (torch_pin,) = [d for d in pins if d.startswith("torch==")]
     assert "Baked cli-made/. Next" in result.stdout and "\n  cd cli-made\n" in result.stdout
     assert f"pip install {torch_pin} " in result.stdout and "python main.py fit" in result.stdout
-
-
-def workflow_steps(project: Path) -> list[str]:
-    """The `run:` commands of the baked GitHub Actions workflow, in order."""
-    steps = yaml.safe_load((project / WORKFLOW).read_text())["jobs"]["cpu"]["steps"]
-    return [step["run"] for step in steps if "run" in step]
 
 
 def test_workflow_installs_the_torch_that_the_project_pins(default_project):

@@ -35,8 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bakes import TEMPLATE, bake, torch_pin
-from test_bake import run
+from bakes import TEMPLATE, bake, run, torch_pin
 
 FEW = " --trainer.max_steps 20"  # fewer steps: enough for a validation pass, a checkpoint and the doctor
 FEW_LM = " --trainer.max_steps 4"  # the language model's steps are ~0.4 s on this machine
@@ -226,8 +225,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def outcomes(project, baked_env, tmp_path_factory) -> dict:
-    """Every command of the generated README, in order: {command: (what ran, exit status, output)}."""
+def outcomes(project, baked_env, tmp_path_factory, own_project_story) -> dict:
+    """Every command of the generated README, in order: {command: (what ran, exit status, output)}. The own
+    project's story (tests/own_project.py) runs meanwhile, in the background."""
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
