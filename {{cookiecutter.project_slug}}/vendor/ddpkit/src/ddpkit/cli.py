@@ -34,7 +34,6 @@ from .doctor import ScalingDoctor
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .predictions import PredictionWriter
 from .processes import (
-    LAUNCHER_PID,
     exit_now,
     failed_children,
     rank_label,
@@ -101,8 +100,6 @@ class CLI(SubcommandCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank started by a launcher: die with it
             watch_parent()
-        else:
-            os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks Lightning starts
         kwargs.setdefault("parser_class", ArgumentParser)
         kwargs.setdefault("save_config_callback", RunConfigSaver)
         super().__init__(*args, **kwargs)

@@ -44,9 +44,11 @@ def child_rank(index: int) -> int:
 
 
 def register_launcher(launcher: Any) -> None:
-    """Remember the launcher, to name and kill the ranks it started when something fails."""
+    """Remember the launcher, to name and kill the ranks it started when something fails, and tell those ranks
+    (through their inherited environment: Lightning starts them after this) which process to watch."""
     global _launcher
     _launcher = launcher
+    os.environ[LAUNCHER_PID] = str(os.getpid())
 
 
 def stop_children() -> list[int]:
@@ -101,7 +103,11 @@ def watch_parent(period: float = 1.0) -> None:
     Without this, a rank blocked in a collective stays until the process-group
     timeout, or forever when it is stuck elsewhere.
     """
-    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())  # the env var also covers a launcher already gone
+    # Lightning's launcher names itself in the environment, which also covers a launcher already gone by now.
+    # torchrun's ranks watch their agent: a launcher pid they inherited from whatever started torchrun (a
+    # `python main.py` run in the same shell session, a test runner) is not theirs.
+    named = os.environ.get(LAUNCHER_PID) if "TORCHELASTIC_RUN_ID" not in os.environ else None
+    parent = int(named or os.getppid())
 
     def watch() -> None:
         while True:
