@@ -192,9 +192,10 @@ class CLI(SubcommandCLI):
         trainer = {**config.get("trainer", {}), **kwargs}
         timeout = timedelta(seconds=self.setting("dist_timeout"))
         strategy = trainer.get("strategy")
-        if isinstance(strategy, str) and ddp_alias(strategy) is not None:
+        alias = ddp_alias(strategy) if isinstance(strategy, str) else None
+        if alias is not None:
             # The registry's "ddp", "ddp_find_unused_parameters_true", ... build DDPStrategy with a 30-minute timeout.
-            kwargs["strategy"] = TimedDDPStrategy(timeout=timeout, **ddp_alias(strategy))
+            kwargs["strategy"] = TimedDDPStrategy(timeout=timeout, **alias)
         elif isinstance(strategy, DDPStrategy) and ddp_timeout(strategy) in (None, default_pg_timeout):
             # A DDPStrategy built from a class path gets torch's 30-minute default, never None.
             set_ddp_timeout(strategy, timeout)
@@ -269,8 +270,8 @@ class CLI(SubcommandCLI):
 def ddp_alias(name: str) -> dict | None:
     """The DDPStrategy arguments a registered strategy name stands for ("ddp", "ddp_spawn",
     "ddp_find_unused_parameters_true", ...), or None when the name is not a plain DDPStrategy."""
-    entry = StrategyRegistry.get(name) if name in StrategyRegistry else None
-    return dict(StrategyRegistry[name]["init_params"]) if type(entry) is DDPStrategy else None
+    entry = StrategyRegistry[name] if name in StrategyRegistry else None
+    return dict(entry["init_params"]) if entry is not None and entry["strategy"] is DDPStrategy else None
 
 
 def plain_datamodule_warning(datamodule: Any) -> str:
