@@ -216,7 +216,13 @@ def test_comm_part_matches_the_allreduce_alone(runs, allreduce_alone, name):
     mb, in_step = runs[name]["grad_mb"], components(runs[name])["comm"]
     alone = allreduce_alone[mb]
     print(f"{name}, {mb:.3g} MB: in the step {in_step:.2f} ms, alone {alone:.2f} ms")
-    assert abs(in_step - alone) <= ALONE["comm"](alone)
+    assert abs(in_step - alone) <= ALONE["comm"](alone) + (PEER_WAKE_UP_MS if name == "straggler-2" else 0.0)
+
+
+# With a straggler, the last rank's all-reduce also waits for its peer, blocked in gloo for 60 ms, to be woken
+# and scheduled, which no counter of the last rank holds: measured +1.09 ms (idle) and +1.98 ms (CI) over the
+# 0.25 MB all-reduce alone (docs/measurements.md). Still an order below the 60 ms wait the part must not hold.
+PEER_WAKE_UP_MS = 3.0
 
 
 def loader_alone_ms(data: ToyData, devices: int, batches: int) -> float:
