@@ -27,6 +27,8 @@ from ddpkit.gap import (
 )
 from ddpkit.toy import ToyData
 
+pytestmark = pytest.mark.timing  # they run first, alone (tests/conftest.py)
+
 STEPS = 20  # 3 warm-up + 17 timed
 FIT = [
     "fit",
