@@ -141,3 +141,13 @@ def test_explain_compares_micro_batched_runs(micro_batched, capsys):
     labels = [label for label, _ in PARTS.values()] + ["unexplained"]
     assert [line[2:33].strip() for line in lines[2 : 2 + len(labels)]] == labels  # f"  {label:<31} {ms} ms"
     assert any(line.startswith("verdict: ") for line in lines[2 + len(labels) :])
+
+
+def test_explain_refuses_a_summary_of_another_schema(micro_batched, tmp_path):
+    """A doctor.json of the unversioned format (a step was a loader batch) is refused with one line, not compared."""
+    one, two = (micro_batched[n][1] for n in (1, 2))
+    old = {k: v for k, v in one.items() if k != "schema"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(two))
+    with pytest.raises(SystemExit, match=r"old.json has schema 1, this ddpkit reads schema 2: fit that run again"):
+        scaling.main(["--explain", str(tmp_path / "old.json"), str(tmp_path / "new.json")])

@@ -5,6 +5,10 @@ Pure functions of numbers; the callback that measures them is `doctor.py`.
 
 from dataclasses import dataclass
 
+# The summary's format (doctor.json's "schema"), raised whenever a number changes meaning: runs compare only
+# within one. 2: a step is an optimizer step (before, unversioned: a loader batch), micro-batches recorded.
+SCHEMA = 2
+
 # Per-rank numbers, gathered as one float64 row per rank, in this order.
 FIELDS = (
     "steps",  # optimizer steps (one or more loader batches each)
@@ -134,6 +138,7 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
     work = [own_work(r) for r in ranks]
     mem = [r["peak_mem_mb"] for r in ranks]
     return {
+        "schema": SCHEMA,
         **context,
         "world_size": len(ranks),
         "steps": int(min(row[0] for row in rows)),
