@@ -188,9 +188,11 @@ class ScalingDoctor(L.Callback):
         self._cuda = self._device.type == "cuda"
         self._every = self.cuda_sample_every if self._cuda else 1  # a sync is free on the CPU: time every step
         self._total, self._window = _Totals(), _Totals()
-        self._step = _Totals()  # the optimizer step under way: its batches so far (none left at fit end count)
+        # The optimizer step under way: its batches so far (batches that never reach a step by the end of fit
+        # are left out).
+        self._step = _Totals()
         self._steps = 0  # optimizer steps ended, warm-up included
-        self._global_step = trainer.global_step  # at the step's first batch
+        self._global_step = trainer.global_step  # as it was at the first batch of the step under way
         self._last_end = time.perf_counter()  # reset at every epoch start
         self._fetch_s, self._fetch_start = 0.0, 0.0  # this batch's time in the loader's next()
         self._timing = False  # is this step timed (its batches' parts, its all-reduce)?
