@@ -114,7 +114,7 @@ def probe_training_step(model, data, model_config) -> dict:
             f"{type(model).__name__}'s training step draws random numbers (one step from the same weights and batch "
             f"under seeds 0 and 1 changes {len(changed)} of {len(first)} tensors differently, e.g. {changed[0]}), "
             "so 1 and N devices cannot train the same weights: switch the draw off for the checks with "
-            f"PARITY_ARGS='{switch}', or draw it in the data set (README, 'Randomness')"
+            f"PARITY_ARGS='{switch}', or draw it in the data set (README, 'Replace the example', step 2)"
         )
     return {"steps_per_batch": steps, "random_step": random_step}
 
