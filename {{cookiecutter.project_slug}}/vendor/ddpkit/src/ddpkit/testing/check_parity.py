@@ -147,8 +147,9 @@ def test_eval_metrics_count_each_sample_once(cpu_runs, global_batch, stage):
     size = global_batch[f"{stage}_size"]
     if not size:
         pytest.skip(f"the configured data module has no {stage} set")
-    if {"val": "validate"}.get(stage, stage) not in global_batch["stages"]:
-        pytest.skip(f"{global_batch['model']} defines no {stage}{'idation' if stage == 'val' else ''}_step")
+    command, step = {"val": ("validate", "validation_step"), "test": ("test", "test_step")}[stage]
+    if command not in global_batch["stages"]:
+        pytest.skip(f"{global_batch['model']} defines no {step}")
     if stage == "val":  # validated during the fits
         comparable(global_batch)
     one, ranks = eval_records(cpu_runs, stage)
