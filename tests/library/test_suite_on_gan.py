@@ -128,6 +128,9 @@ FIRST_WAVE = {
     "csv": (check_parity.test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices, {}),
     "fit files": (check_cli.test_fit_writes_logs_config_and_checkpoints_under_root, {}),
     "learning rate": (check_cli.test_learning_rate_is_logged_at_every_step_the_logger_writes, {}),
+    "added logger": (check_cli.test_an_added_logger_writes_into_the_same_run_directory, {}),
+    "run config": (check_cli.test_the_run_config_reaches_every_logger, {}),
+    "doctor": (check_cli.test_doctor_reports_by_default_without_timing_the_all_reduce, {}),
 }
 
 
