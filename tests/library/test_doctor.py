@@ -90,17 +90,32 @@ def test_sleepy_dataset_is_data_bound(causes):
     assert summary["loader_wait_pct"] > 50 and all(r["data_ms"] >= 16 for r in summary["ranks"])
 
 
+def own_parts(rank: dict) -> dict[str, float]:
+    """A rank's parts of the step (ms), each without the time its threads waited for a CPU."""
+    other_wait = rank["contention_ms"] - rank["comm_contention_ms"] - rank["data_contention_ms"]
+    other_wait -= rank["busy_contention_ms"]
+    return {
+        "data": rank["data_ms"] - rank["data_contention_ms"],
+        "compute": rank["compute_ms"] - rank["busy_contention_ms"],
+        "comm": rank["comm_ms"] - rank["comm_contention_ms"],
+        "other": rank["other_ms"] - other_wait,
+    }
+
+
 def test_wide_model_with_tiny_batches_is_communication_bound(causes):
-    """The all-reduce of 17 MB of gradients is in flight over 30% of the step, measured by the comm hook.
-    Here 2 ranks on 2 cores (10 processes while the cases run at once) leave gloo's threads waiting for a
-    CPU for part of it (docs/measurements.md), which the doctor measures and counts as host contention: the
-    findings name one of the two (on a host loaded further a rank's own work can differ enough to come first
-    as a straggler)."""
+    """The all-reduce of 17 MB of gradients, without its threads' wait for a CPU, is the largest part of every
+    rank's step, and its transfer is longer than that of every other case's 0.1 MB all-reduce under the same
+    load (a busy host alone stretches every case's all-reduce, not this one's only)."""
     summary, _ = causes["comm-bound"]
     assert summary["comm_measured"] and summary["grad_mb"] == pytest.approx(16.6, abs=0.1)
     for rank in summary["ranks"]:
-        assert rank["comm_ms"] > 0.3 * rank["step_ms"]
+        parts = own_parts(rank)
+        assert parts["comm"] == max(parts.values()), parts
         assert 0 < rank["comm_contention_ms"] < rank["comm_ms"]  # part of the span, measured
+    others = [causes[name][0]["comm_transfer_ms"] for name in ("data-bound", "memory", "straggler")]
+    assert summary["comm_transfer_ms"] > max(others), (summary["comm_transfer_ms"], others)
+    # Accepted: host-contention instead. On 2 cores gloo's threads wait for a CPU longer than the transfer
+    # takes (14 of 23 ms idle; docs/measurements.md), so the transfer stays under 30% of the stretched step.
     causes = {f["cause"] for f in summary["findings"]}
     assert causes & {"communication-bound", "host-contention"} and summary["data_wait_pct"] < 10
 
@@ -175,11 +190,13 @@ def test_sweep_gives_every_run_the_same_threads_per_process(sweep):
         assert summary["cpu_threads_per_rank"] == max(1, cores // 2)
 
 
-def test_healthy_run_has_no_finding(sweep):
-    """1,024 samples per device through a 1024-wide MLP: compute dominates and nothing is flagged but, on a
-    loaded host, the time the ranks waited for a CPU (which is then above its threshold, and says so)."""
+def test_healthy_run_has_no_finding_but_host_contention(sweep):
+    """1,024 samples per device through a 1024-wide MLP: compute dominates and nothing is flagged but the
+    time the ranks waited for a CPU, flagged exactly when it is above its threshold."""
     summary = json.loads(next((sweep / "devices_2").rglob("doctor.json")).read_text())
     causes = [f["cause"] for f in summary["findings"]]
+    # Accepted: host-contention. Another process on a 2-core host makes the ranks wait for a CPU (the doctor
+    # must say so); with that wait left out the run is healthy.
     assert causes in ([], ["host-contention"]) and ("host-contention" in causes) == (summary["contention_pct"] >= 20)
     assert summary["step_ms"] > 10 and summary["comm_pct"] < 30 and summary["data_wait_pct"] < 20
 

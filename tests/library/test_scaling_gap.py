@@ -76,9 +76,10 @@ CAUSES = {
     "small per-device batch": ("clean-1", "clean-4", "compute"),
 }
 # How far the predicted speed-up may be from the measured one without the ranks' wait for a CPU (relative):
-# above the worst error of the runs in docs/measurements.md (the scaling gap); 8 ranks on 2 cores stay the
-# ring model's blind spot (their gloo threads wait for a CPU at once).
-TOLERANCE = {4: 0.35, 8: 1.0}
+# worst of 6 runs since the doctor leaves that wait out, 4 devices +29%, 8 devices +55% (both at loads 14-28;
+# idle at most +4% and +20%; docs/measurements.md, the scaling gap). 8 ranks on 2 cores stay the ring model's
+# blind spot (their gloo threads wait for a CPU at once).
+TOLERANCE = {4: 0.35, 8: 0.75}
 
 
 def pin_to_one_core() -> None:

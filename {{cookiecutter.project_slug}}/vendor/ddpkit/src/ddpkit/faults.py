@@ -17,7 +17,6 @@ each run's files go to a temporary one.
 
 import argparse
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -53,7 +52,7 @@ class Scenario:
     to_rank1: bool = False  # to rank 1 only (the process Lightning's launcher started), not the launcher
     devices: int = 2
     checkpoint: bool = False  # a readable last.ckpt must exist afterwards
-    every_step: bool = False  # checkpoint after every step (kill-during-write scenario)
+    every_step: bool = False  # checkpoint after every step; the signal waits for a rewrite of last.ckpt to start
 
 
 SCENARIOS = {
@@ -86,7 +85,7 @@ SCENARIOS = {
         checkpoint=True,
     ),
     "kill9-save": Scenario(
-        "kill -9 at a random moment while checkpoints are written every step",
+        "kill -9 while last.ckpt is being rewritten (part of its temporary file written; checkpoints every step)",
         ("--model.ballast_mb", "64", "--model.fault_step", "1"),
         signal.SIGKILL,
         devices=1,
@@ -105,6 +104,8 @@ class Result:
     orphans: int
     checkpoint_lost: bool
     partial_writes: int  # temporary files a killed checkpoint write left behind
+    killed_mid_write: bool  # the kill left a partial rewrite of last.ckpt behind: it landed during that write
+    partial_bytes: int  # how much of that rewrite was written
     output: str
 
 
@@ -143,6 +144,22 @@ def checkpoint_ok(path: Path) -> bool:
     return False
 
 
+def partial_last(checkpoints: Path) -> int:
+    """Bytes of the next last.ckpt written so far (checkpoints.atomic_save's temporary file), 0 if none."""
+    written = 0
+    for tmp in checkpoints.glob(".last.ckpt.*.tmp"):
+        try:
+            written += tmp.stat().st_size
+        except FileNotFoundError:
+            pass  # renamed into place meanwhile
+    return written
+
+
+def rewriting_last(checkpoints: Path) -> bool:
+    """last.ckpt exists and its next version is partly written: a kill now lands in the middle of a write."""
+    return (checkpoints / "last.ckpt").exists() and partial_last(checkpoints) > 0
+
+
 def run_scenario(
     name: str,
     workdir: Path,
@@ -173,8 +190,11 @@ def run_scenario(
         if fault_time is None and marker.exists():
             fault_time = time.monotonic()
             if sc.signal is not None:
-                if sc.every_step:  # land at a random moment in the stream of writes
-                    time.sleep(random.uniform(0.5, 2.5))
+                if sc.every_step:  # land inside a write of last.ckpt, over an older complete one
+                    while proc.poll() is None and time.monotonic() - start < deadline:
+                        if rewriting_last(workdir / "checkpoints"):
+                            break
+                        time.sleep(0.002)  # a 64 MB write takes far longer (docs/measurements.md)
                 if sc.to_group:
                     os.killpg(proc.pid, sc.signal)
                 elif sc.to_rank1:
@@ -196,8 +216,12 @@ def run_scenario(
     gone = time.monotonic()
     lost = sc.checkpoint and not checkpoint_ok(workdir / "checkpoints" / "last.ckpt")
     partial = len(list((workdir / "checkpoints").glob(".*.tmp")))
+    partial_bytes = partial_last(workdir / "checkpoints")
+    last = workdir / "checkpoints" / "last.ckpt"
+    mid_write = 0 < partial_bytes < (last.stat().st_size if last.exists() else 0)
     log.seek(0)
-    return Result(name, workdir, returncode, gone - (fault_time or start), len(orphans), lost, partial, log.read())
+    seconds = gone - (fault_time or start)
+    return Result(name, workdir, returncode, seconds, len(orphans), lost, partial, mid_write, partial_bytes, log.read())
 
 
 def main() -> None:
@@ -227,7 +251,11 @@ def main() -> None:
                 f"{name:<11} {len(results):>4} {nonzero:>14} {max(r.seconds for r in results):>13.1f} "
                 f"{sum(r.orphans for r in results):>12} {lost!s:>10}  {SCENARIOS[name].doc}"
                 + (f" ({hung} hung past the deadline)" if hung else "")
-                + (f" ({sum(r.partial_writes > 0 for r in results)} mid-write)" if SCENARIOS[name].every_step else ""),
+                + (
+                    f" ({sum(r.killed_mid_write for r in results)} killed mid-write)"
+                    if SCENARIOS[name].every_step
+                    else ""
+                ),
                 flush=True,
             )
 

@@ -88,11 +88,18 @@ def test_a_run_without_logger_leaves_the_projects_config_alone(cpu_runs, configu
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_other_subcommands_run_from_a_checkpoint(cpu_runs, configured, command):
-    """validate, test and predict load the trained weights and finish."""
+    """validate, test and predict load the trained weights and finish; predict loads the file it was given and
+    writes one prediction per sample of the predict set into predictions.pt in the run's directory."""
     defined(configured, command)
-    out = cpu_runs[f"{command}-1dev"].output()
+    run = cpu_runs[f"{command}-1dev"]
+    out = run.output()
     if command != "predict":  # Lightning's table of the metrics the module logged
         assert f"{'Test' if command == 'test' else 'Validate'} metric" in out
+    else:  # the predict run was given the 1-device fit's last.ckpt (runs.py)
+        assert f"Loaded model weights from the checkpoint at {cpu_runs['1dev-fp64'].checkpoint()}\n" in out
+        if configured.get("predict_size"):
+            written = f"predict: wrote {configured['predict_size']} predictions to {run.root / 'predictions.pt'}\n"
+            assert written in out and (run.root / "predictions.pt").is_file(), out[-3000:]
 
 
 def test_ckpt_path_last_and_best_name_the_file_they_load(cpu_runs, configured):

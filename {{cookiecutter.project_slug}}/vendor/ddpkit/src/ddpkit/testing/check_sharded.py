@@ -2,9 +2,14 @@
 
 import pytest
 
-from ..parity import max_abs
+from ..parity import weight_diffs
 from .fake_cluster import last_weights
 from .runs import comparable
+
+# max |a - b| / max |a| of the worst tensor: ModelParallelStrategy has no float64, so this is float32's 1-vs-2
+# device bound. Measured (digits, 2026-12-02): 1.95e-6, the same as 2-device DDP's float32 run against 1 device
+# (sharded vs that DDP run: 6e-8 absolute); DDP float32 reached 8.4e-5 over seeds 0-7 (check_parity's BOUNDS).
+SHARDED_BOUND = 2e-4
 
 
 def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_runs):
@@ -17,5 +22,6 @@ def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_r
     assert sharded["files"] == ["__0_0.distcp", "__1_0.distcp"]  # one per rank
     steps = 2 * configured["steps_per_epoch"] * configured["steps_per_batch"]
     # Without fully_shard in configure_model the ranks' gradients are not synced and this fails. Bound: float32
-    # rounding of 2 ways to sum the gradients.
-    assert max_abs(sharded["weights"], last_weights(cpu_runs["1dev-fp32"].root, steps)) < 1e-6
+    # rounding of 2 ways to sum the gradients (SHARDED_BOUND).
+    worst = weight_diffs(sharded["weights"], last_weights(cpu_runs["1dev-fp32"].root, steps))[0]
+    assert worst.max_rel <= SHARDED_BOUND, worst
