@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..lightning_internals import BatchNormBase
 from .helpers import project, run_main
 
 
@@ -41,6 +42,8 @@ def _measure(args: list[str]) -> dict:
         "shards_layers": type(model).configure_model is not L.LightningModule.configure_model,
         # The schedule parity runs set --model.scheduler, which exists only if the model takes it.
         "takes_scheduler": "scheduler" in inspect.signature(type(model).__init__).parameters,
+        # Micro-batches change BatchNorm's statistics: no accumulation runs, no rounding reference from them.
+        "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
     }
     if info["global_batch_data"]:
         data.setup("fit")
