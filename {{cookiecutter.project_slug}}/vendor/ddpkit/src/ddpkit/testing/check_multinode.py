@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ..parity import max_abs
+from .check_parity import assert_within, fp64_bound
 from .fake_cluster import SLURM_JOB_ID, last_weights
 
 
@@ -22,7 +22,7 @@ def reference(cpu_runs, global_batch) -> dict[str, torch.Tensor]:
     return last_weights(cpu_runs["1dev-fp64"].root, 2 * global_batch["steps_per_epoch"])
 
 
-def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, global_batch):
+def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
     """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost) matches 1 device."""
     job = cpu_runs["torchrun-nodes"]
     logs = "".join(job.outputs)
@@ -31,10 +31,10 @@ def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, globa
         f"RANK_PROBE global={r} local=0 node={r} world=2 env=TorchElasticEnvironment step=0" for r in range(2)
     ]
     weights = last_weights(job.root, 2 * global_batch["steps_per_epoch"])
-    assert max_abs(weights, reference(cpu_runs, global_batch)) < 1e-12  # float64 rounding (BOUNDS in check_parity)
+    assert_within(reference(cpu_runs, global_batch), weights, fp64_bound(cpu_runs, steps), "torchrun nodes vs 1dev")
 
 
-def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, global_batch):
+def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
     """cluster/slurm.sbatch under a 2-node SLURM job's variables: Lightning takes ranks from SLURM in the job and
     in its requeued run, and the requeued run, resumed mid-epoch, ends with 1 device's weights."""
     job = cpu_runs["slurm-requeue"]
@@ -44,7 +44,7 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, 
             (probe,) = probes(out)
             assert probe.startswith(f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment ")
     weights = last_weights(job.root, 2 * global_batch["steps_per_epoch"])
-    assert max_abs(weights, reference(cpu_runs, global_batch)) < 1e-12  # float64 rounding (BOUNDS in check_parity)
+    assert_within(reference(cpu_runs, global_batch), weights, fp64_bound(cpu_runs, steps), "SLURM job vs 1dev")
 
 
 def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(cpu_runs, global_batch):

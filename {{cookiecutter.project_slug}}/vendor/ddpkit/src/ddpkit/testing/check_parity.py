@@ -116,11 +116,15 @@ FLOAT32_STORAGE = 2.5e-7  # TensorBoard stores float32: two equal-up-to-1e-15 do
 
 
 def assert_weights_close(a: Run, b: Run, bound: float | Bound) -> None:
+    assert_within(a.weights(), b.weights(), bound, f"{b.root.name} vs {a.root.name}")
+
+
+def assert_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], bound: float | Bound, label: str) -> None:
+    """Weights `b` within `bound` of the reference `a`, else fail with the worst tensors and the bound's origin."""
     bound = bound if isinstance(bound, Bound) else Bound(bound)
-    diffs = weight_diffs(a.weights(), b.weights())
+    diffs = weight_diffs(a, b)
     assert not over_bound(diffs, bound.max_rel, bound.at_rounding), (
-        f"{b.root.name} vs {a.root.name}, bound {bound.max_rel:.3g} ({bound.why}):\n"
-        f"{report(diffs, at_rounding=bound.at_rounding)}"
+        f"{label}, bound {bound.max_rel:.3g} ({bound.why}):\n{report(diffs, at_rounding=bound.at_rounding)}"
     )
 
 
