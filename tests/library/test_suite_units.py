@@ -10,6 +10,7 @@ import pytest
 import torch
 from ddpkit.cli import main, place_loggers
 from ddpkit.parity import diff, max_abs, over_bound, report
+from ddpkit.parity import main as compare_main
 from ddpkit.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.testing.check_parity import BOUNDS, ROUNDING_CEILING, ROUNDING_FACTOR, fp64_bound
@@ -162,3 +163,19 @@ def test_fp64_bound_is_a_factor_of_the_models_rounding_at_least_the_fixed_one(
     assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
     assert bound.at_rounding == pytest.approx(at_rounding, rel=1e-6)
     assert BOUNDS["cpu", "64-true"] == 1e-12 and ROUNDING_CEILING < 2e-6
+
+
+def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path, capsys):
+    """`python -m ddpkit.parity A B --abs-tol X` leaves out tensors whose max_abs is at most X, and says which."""
+    for run, bias in (("a", 1e-16), ("b", 3e-16)):  # a bias that holds only rounding: max_rel 2, max_abs 2e-16
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        weights = {
+            "w": torch.tensor([1.0, 2.0], dtype=torch.float64),
+            "bias": torch.tensor([bias], dtype=torch.float64),
+        }
+        torch.save({"state_dict": weights}, tmp_path / run / "checkpoints" / "last.ckpt")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert compare_main([a, b, "--rel-tol", "1e-12"]) == 1
+    assert compare_main([a, b, "--rel-tol", "1e-12", "--abs-tol", "1e-15"]) == 0
+    out = capsys.readouterr().out
+    assert "bias: max_abs 2e-16, max_rel 2 (at rounding level)" in out and "PASS: worst max_rel 0 " in out
