@@ -1,4 +1,12 @@
-"""Fixtures of the template's tests: baked projects and a fresh virtual environment."""
+"""Fixtures of the template's tests (baked projects, the jobs that run in the background) and the order the
+tests run in.
+
+The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
+first, while nothing else of ours runs. The first test after them starts the long jobs that time nothing in
+the background, those its session will read: the generated README's commands (readme_commands.py) and the
+own project's story (own_project.py), besides tests/library's early jobs (tests/library/early.py). The
+other tests run meanwhile; the ones that read a job wait for its result.
+"""
 
 import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -6,6 +14,32 @@ from pathlib import Path
 
 import pytest
 from bakes import bake, fresh_env, torch_pin
+
+# Session fixtures that start a background job, started by the first test that is not a timing one.
+BACKGROUND = ("readme_runs", "own_project_story")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "timing: asserts durations; runs first, before any background job starts")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.get_closest_marker("timing") is None)  # stable: timing tests first
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _background_after_timing(request):
+    if request.node.get_closest_marker("timing") is None:
+        request.getfixturevalue("background")
+
+
+@pytest.fixture(scope="session")
+def background(request) -> None:
+    """Start the background jobs that the selected tests read (by fixture name)."""
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for name in BACKGROUND:
+        if name in used:
+            request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
@@ -21,11 +55,15 @@ def lm_project(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def baked_env(tmp_path_factory) -> dict[str, str]:
-    """A new virtual environment holding only the pinned torch (this machine's CPU wheel; it is installed
-    first, as every install instruction says), shared by the tests that then install a baked project into
-    it with that project's own install step. Returns the environment variables that select it."""
-    env = fresh_env(tmp_path_factory.mktemp("venv") / "venv")
+def readme_project(tmp_path_factory) -> Path:
+    """The project the generated README's commands run in (with the language-model example)."""
+    return bake(tmp_path_factory.mktemp("docs"), lm_example="yes")
+
+
+def torch_env(venv: Path) -> dict[str, str]:
+    """A new virtual environment holding only the pinned torch (this machine's CPU wheel; it is installed first,
+    as every install instruction says); the environment variables that select it."""
+    env = fresh_env(venv)
     cmd = ["python", "-m", "pip", "install", "-q", torch_pin()]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -33,9 +71,19 @@ def baked_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def readme_runs(readme_project, tmp_path_factory) -> Future:
+    """The generated README's commands (readme_commands.run_readme) in a new virtual environment that its own
+    install commands fill, in the background; test_docs.py waits for the result."""
+    from readme_commands import run_readme
+
+    venv, bin_dir = tmp_path_factory.mktemp("venv") / "venv", tmp_path_factory.mktemp("bin")
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(lambda: run_readme(readme_project, torch_env(venv), bin_dir))
+
+
+@pytest.fixture(scope="session")
 def own_project_story(tmp_path_factory) -> Future:
-    """The user's-project story (tests/own_project.py), started in the background the first time a test asks:
-    the docs tests ask first, so the two overlap (neither asserts a duration). Its tests wait for the record."""
+    """The user's-project story (tests/own_project.py) in the background; its tests wait for the record."""
     from own_project import story
 
     with ThreadPoolExecutor(1) as pool:

@@ -5,7 +5,8 @@ A user bakes with `cruft create` (the default project, named My Project), keeps 
 and writes a model and data of their own (dict batches, dropout, val_loss), then the template releases a new
 library and the user runs `cruft update`, installs with the baked workflow's own steps in a new virtual
 environment (only the torch step changes: this machine's CPU wheel of the same pin), runs the workflow's
-remaining steps, and runs the first-wave parity tests on three classic DDP bugs. Every outcome is recorded;
+remaining steps, and runs the first-wave parity tests on three classic DDP bugs. The user's model takes a learning-rate schedule
+and shards its layers under configs/model_parallel.yaml, so that the suite's schedule and sharded parity run. Every outcome is recorded;
 the tests read the record."""
 
 import hashlib
@@ -81,6 +82,8 @@ OWN_MODEL = '''
 import lightning as L
 import torch
 import torch.nn.functional as F
+from ddpkit import optimization, shard_layers
+from lightning.pytorch.cli import LRSchedulerCallable
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -91,11 +94,13 @@ class WaveRegressor(L.LightningModule):
     Args:
         width: Hidden width.
         lr: Learning rate.
+        scheduler: A learning-rate schedule called with the optimizer, or None for a constant lr.
     """
 
-    def __init__(self, width: int = 32, lr: float = 1e-2) -> None:
+    def __init__(self, width: int = 32, lr: float = 1e-2, scheduler: LRSchedulerCallable | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.scheduler = scheduler
         self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Dropout(0.1), nn.Linear(width, 1))
         self.val_mse, self.test_mse = MeanMetric(), MeanMetric()
 
@@ -118,8 +123,12 @@ class WaveRegressor(L.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self(batch["x"])
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # configs/model_parallel.yaml: each linear layer sharded over the ranks
+            shard_layers(self.net, [self.net[0], self.net[-1]], self.device_mesh)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
+        return optimization(self, torch.optim.AdamW(self.parameters(), lr=self.hparams.lr), self.scheduler)
 '''
 
 

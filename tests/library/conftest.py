@@ -11,7 +11,15 @@ def pytest_configure(config):
     )
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
+def _early_after_timing(request):
+    """The early jobs start with the first module that times nothing (before its module fixtures, which may read
+    them): the timing tests run before it, alone (tests/conftest.py)."""
+    if request.node.get_closest_marker("timing") is None:
+        request.getfixturevalue("early_runs")
+
+
+@pytest.fixture(scope="session")
 def early_runs(request, tmp_path_factory):
     """Start the early jobs (early.py) that the selected tests use (by a fixture of the job's name); at the end of
     the session wait for them."""

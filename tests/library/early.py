@@ -1,7 +1,7 @@
-"""Runs that time nothing (faults, the preflight) start together at the start of the session, so that their
-waits (a hung rank's timeout, sleeping steps) overlap with other tests' start-ups; the runs whose timings are
-asserted (the doctor's, the gap's) first wait for them to end (`quiet`), so that nothing of ours competes with
-them for the cores.
+"""Runs that time nothing (faults, the preflight) start together with the first test that times nothing, so that
+their waits (a hung rank's timeout, sleeping steps) overlap with other tests' start-ups. The tests whose timings
+are asserted (marked `timing`: the doctor's, the gap's) run before that, alone (tests/conftest.py); their runs
+still wait for any early job that is running (`quiet`), so that nothing of ours competes with them for the cores.
 
 A test module registers a job with `@early("name")` (a function of a fresh folder) and a fixture of the same
 name that returns `result("name")`; conftest.py starts the jobs whose fixture a selected test uses.

@@ -20,12 +20,15 @@ def rank(
     comm_wait_ms=0.0,
     node=0,
     device=-1,
+    micro=1,
 ) -> list[float]:
-    """One rank's gathered row (FIELDS) for `steps` timed steps of the given per-step times (wait: for a CPU)."""
+    """One rank's gathered row (FIELDS) for `steps` timed steps of the given per-step times (wait: for a CPU), each
+    of `micro` micro-batches."""
     per = {"data_s": data_ms, "busy_s": busy_ms, "comm_s": comm_ms, "step_s": step_ms, "contention_s": wait_ms}
     per.update({"data_contention_s": data_wait_ms, "busy_contention_s": busy_wait_ms, "gc_s": 0.0})
     per["comm_contention_s"] = comm_wait_ms
     row = {"steps": steps, "wall_s": steps * step_ms / 1000, "samples": steps * batch, "timed_steps": steps}
+    row["micro_batches"] = steps * micro
     row.update({k: steps * v / 1000 for k, v in per.items()})
     row["node_rank"], row["device_index"], row["peak_mem_bytes"] = node, device, peak_mb * 2**20
     return [row[f] for f in FIELDS]

@@ -1,5 +1,5 @@
 """The scaling doctor (ddpkit.doctor) in real 2-process runs of the toy model whose cause of poor scaling is
-known (doctor_cases.py); the sweep, the preflight (`python -m ddpkit.scaling`), the overhead."""
+known (doctor_cases.py); the sweep (`python -m ddpkit.scaling`), the overhead. The preflight: test_preflight.py."""
 
 import json
 import os
@@ -9,7 +9,10 @@ from pathlib import Path
 
 import early
 import pytest
-from procs import ON_PATH, TESTS, concurrently, fake_gpus_env, toy_ok
+from procs import ON_PATH, TESTS, concurrently, toy_ok
+
+# Every test here times runs (the doctor's verdicts rest on timings): they run first, alone (tests/conftest.py).
+pytestmark = pytest.mark.timing
 
 SCALING = [sys.executable, "-m", "ddpkit.scaling", "--main", "ddpkit.toy"]
 # Two CPU processes, a few steps, nothing printed or checked that the doctor does not need.
@@ -188,51 +191,6 @@ def test_numbers_reach_the_logger(sweep):
     (events,) = (sweep / "devices_2").rglob("events.out.tfevents.*")
     tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"doctor/samples_per_s", "doctor/comm_pct", "doctor/rank1/peak_mem_mb"} <= set(tags)
-
-
-PREFLIGHTS = {  # name: (GPUs visible, fit args)
-    "2 GPUs, cpu": (2, ("--trainer.accelerator", "cpu", "--data.num_workers", "3")),
-    "1 GPU, auto": (1, ()),
-}
-
-
-@early.early("preflight")
-def preflights(base: Path) -> dict[str, subprocess.CompletedProcess]:
-    """`--preflight --devices 2 -- ARGS` with GPUs faked (procs.FAKE_CUDA), both at once; started with the
-    session (early.py): they time nothing."""
-
-    def preflight(name: str) -> subprocess.CompletedProcess:
-        gpus, fit_args = PREFLIGHTS[name]
-        env = {**os.environ, **fake_gpus_env(base / f"site{gpus}", gpus)}
-        cmd = [*SCALING, "--preflight", "--devices", "2", "--", *fit_args]
-        return subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=300)
-
-    return concurrently(preflight, PREFLIGHTS)
-
-
-@pytest.fixture(scope="module")
-def preflight() -> dict[str, subprocess.CompletedProcess]:
-    return early.result("preflight")
-
-
-def test_preflight_reports_ranks_backend_and_workers(preflight):
-    """`--preflight --devices 2 -- --trainer.accelerator cpu` where 2 GPUs are visible (faked):
-    gloo, two CPU ranks that all-reduce, the configured workers."""
-    result = preflight["2 GPUs, cpu"]
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "visible devices (torch.cuda.device_count()): 2" in out and "backend: gloo" in out
-    assert "dataloader workers per rank (--data.num_workers): 3" in out
-    assert "   0 | cpu |" in out and "   1 | cpu |" in out and "ok: 2 processes joined one gloo group" in out
-
-
-def test_preflight_on_gpus_names_nccl_and_refuses_more_ranks_than_gpus(preflight):
-    """With 1 GPU visible (faked) and the accelerator left to `auto`, 2 ranks: backend nccl, refused before any
-    rank starts."""
-    result = preflight["1 GPU, auto"]
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "backend: nccl" in result.stdout and "rank |" not in result.stdout
-    assert result.stderr.strip().splitlines()[-1] == "2 devices requested but only 1 visible"
 
 
 def test_overhead_is_small():

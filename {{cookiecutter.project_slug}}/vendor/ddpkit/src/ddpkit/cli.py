@@ -170,6 +170,8 @@ class CLI(SubcommandCLI):
         ckpt_path = config.get("ckpt_path")
         try:
             check_optimizer_flags(config, self.model)
+            if self.subcommand in (None, "fit"):  # evaluation takes micro-batches as they are
+                check_manual_accumulation(self.model, self.datamodule, self.trainer.world_size)
             if ckpt_path and Path(ckpt_path).is_file():
                 check_state_dict_fits(self.model, ckpt_path)
         except BadInput as error:
@@ -354,6 +356,22 @@ def check_optimizer_flags(config: Any, model: Any) -> None:
             f"--{given[0]} would replace {type(model).__name__}.configure_optimizers: this model takes its "
             "optimizer and schedule as arguments, so use --model.optimizer CLASS (--model.optimizer.lr ...) and "
             "--model.scheduler CLASS; see python main.py fit --model.help " + type(model).__name__ + "."
+        )
+
+
+def check_manual_accumulation(model: Any, datamodule: Any, world: int) -> None:
+    """A module that optimizes manually steps its optimizers itself on every batch it gets, and Lightning does not
+    accumulate for it (it ignores accumulate_grad_batches, silently): micro-batches would each be a step of their
+    own, on a global batch shrunk by the accumulation factor."""
+    if model.automatic_optimization or not isinstance(datamodule, GlobalBatchDataModule):
+        return
+    micro, share = datamodule.micro_batch_size, datamodule.global_batch_size // world
+    if micro is not None and micro < share:
+        raise BadInput(
+            f"--data.micro_batch_size {micro} would split each device's {share} samples into {share // micro} "
+            f"micro-batches, but {type(model).__name__} optimizes manually (automatic_optimization = False), "
+            f"which Lightning does not accumulate for: every micro-batch would be an optimizer step on {micro * world} "
+            f"samples instead of the global batch of {datamodule.global_batch_size}. Leave micro_batch_size unset."
         )
 
 

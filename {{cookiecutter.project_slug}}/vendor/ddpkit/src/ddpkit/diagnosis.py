@@ -5,9 +5,13 @@ Pure functions of numbers; the callback that measures them is `doctor.py`.
 
 from dataclasses import dataclass
 
+# The summary's format (doctor.json's "schema"), raised whenever a number changes meaning: runs compare only
+# within one. 2: a step is an optimizer step (before, unversioned: a loader batch), micro-batches recorded.
+SCHEMA = 2
+
 # Per-rank numbers, gathered as one float64 row per rank, in this order.
 FIELDS = (
-    "steps",
+    "steps",  # optimizer steps (one or more loader batches each)
     "wall_s",
     "samples",
     "timed_steps",
@@ -20,6 +24,7 @@ FIELDS = (
     "busy_contention_s",
     "gc_s",
     "comm_contention_s",  # run-queue wait of the other threads (gloo's on CPUs) while an all-reduce was in flight
+    "micro_batches",  # loader batches (forward passes) in the steps: more than steps with gradient accumulation
     "node_rank",  # which machine (ranks on two nodes may both use their cuda:0)
     "device_index",  # -1 on the CPU
     "peak_mem_bytes",
@@ -97,7 +102,9 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
             {
                 "rank": rank,
                 "samples_per_s": r["samples"] / r["wall_s"] if r["wall_s"] else 0.0,
-                "batch": r["samples"] / r["steps"] if r["steps"] else 0.0,
+                "batch": r["samples"] / r["steps"] if r["steps"] else 0.0,  # samples per optimizer step
+                "micro_batches_per_step": r["micro_batches"] / r["steps"] if r["steps"] else 0.0,
+                "micro_batch_size": r["samples"] / r["micro_batches"] if r["micro_batches"] else 0.0,
                 "step_ms": step_ms,
                 "data_ms": data_ms,
                 "compute_ms": busy_ms - comm_ms,
@@ -131,9 +138,12 @@ def summarize(rows: list[list[float]], context: dict) -> dict:
     work = [own_work(r) for r in ranks]
     mem = [r["peak_mem_mb"] for r in ranks]
     return {
+        "schema": SCHEMA,
         **context,
         "world_size": len(ranks),
         "steps": int(min(row[0] for row in rows)),
+        "micro_batches_per_step": sum(r["micro_batches_per_step"] for r in ranks) / len(ranks),
+        "micro_batch_size": sum(r["micro_batch_size"] for r in ranks) / len(ranks),
         "samples_per_s": total,
         "samples_per_s_per_device": total / len(ranks),
         "steps_per_s": 1000 / step_ms if step_ms else 0.0,
@@ -276,6 +286,7 @@ def format_report(s: dict) -> str:
     """The printed report: totals, one line per rank, the verdict and the fixes."""
     lines = [
         f"Scaling doctor: {s['world_size']} x {s['device']}, {s['steps']} steps, "
+        f"{s['micro_batches_per_step']:g} micro-batch(es) of {s['micro_batch_size']:g} samples per step and device, "
         f"{s['samples_per_s']:.0f} samples/s ({s['samples_per_s_per_device']:.0f} per device), "
         f"{s['steps_per_s']:.1f} steps/s" + (f" (ddpkit {s['ddpkit_version']})" if s.get("ddpkit_version") else ""),
         f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "

@@ -1,7 +1,9 @@
 """The scaling doctor: measures, on every rank, where each training step goes, and says why N devices are
 not N times faster.
 
-Per rank and per step it measures (host clock; CUDA events for the all-reduce on GPUs):
+Per rank and per step it measures (host clock; CUDA events for the all-reduce on GPUs). A step is one optimizer
+step: with gradient accumulation (`--data.micro_batch_size`) it spans its micro-batches, from the end of the
+previous optimizer step to the end of the batch that stepped, and each part below sums over them.
 
 - data wait: the time the training loop spends in `next()` on the train loader. Lightning's training loop
   brackets that call with its profiler hooks (`_on_before_fetch`/`_on_after_fetch`, the
@@ -23,12 +25,12 @@ Per rank and per step it measures (host clock; CUDA events for the all-reduce on
   threads had no core communication-bound. 0 where the kernel offers no schedstat.
 - garbage collection: time in Python's collector during the step (gc.callbacks).
 
-At the end of fit (and every `report_every_n_steps` batches when set) every rank contributes its numbers to
+At the end of fit (and every `report_every_n_steps` steps when set) every rank contributes its numbers to
 one `all_gather`; rank 0 prints the report, writes `doctor.json` into the run's log directory (with a logger), and the
 loggers get the same numbers as `doctor/*` scalars. The verdict follows the thresholds of `Thresholds`.
 
 Cost: a few `perf_counter` calls and list appends per step, in Python floats; no `self.log`, no device sync
-per step. On CUDA only one batch in `cuda_sample_every` is synchronised, to time its parts exactly.
+per step. On CUDA only one step in `cuda_sample_every` is synchronised, to time its parts exactly.
 """
 
 import gc
@@ -60,7 +62,11 @@ class _Totals:
         self.steps = self.wall_s = self.samples = 0.0
         self.timed_steps = self.data_s = self.busy_s = self.comm_s = self.step_s = 0.0
         self.contention_s = self.data_contention_s = self.busy_contention_s = self.gc_s = 0.0
-        self.comm_contention_s = 0.0
+        self.comm_contention_s = self.micro_batches = 0.0
+
+    def add(self, other: "_Totals") -> None:
+        for name in FIELDS[:-3]:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def row(self, node_rank: float, device_index: float, peak_mem_bytes: float) -> list[float]:
         return [getattr(self, name) for name in FIELDS[:-3]] + [node_rank, device_index, peak_mem_bytes]
@@ -132,11 +138,12 @@ class ScalingDoctor(L.Callback):
 
     Args:
         enabled: Measure and report; False makes every hook return at once.
-        report_every_n_steps: Also report (and log) the numbers of the last N batches every N batches;
-            0 reports only at the end of fit.
-        warmup_steps: Batches at the start of fit left out of the numbers (first-step allocations, JIT).
-        cuda_sample_every: On GPUs, time every N-th batch exactly (two device syncs per sample); the
-            other batches count only towards throughput.
+        report_every_n_steps: Also report (and log) the numbers of the last N optimizer steps every N
+            steps; 0 reports only at the end of fit.
+        warmup_steps: Optimizer steps at the start of fit left out of the numbers (first-step allocations,
+            JIT).
+        cuda_sample_every: On GPUs, time every N-th optimizer step exactly (a device sync after each of its
+            batches and before it); the other steps count only towards throughput.
         summary_file: Name of the JSON summary written into the run's log directory; empty for none.
         measure_comm: Time the gradient all-reduce with a DDP comm hook. Off by default: a Python comm
             hook replaces DDP's built-in C++ all-reduce, about 1-2 ms more per step on CPU processes
@@ -181,13 +188,17 @@ class ScalingDoctor(L.Callback):
         self._cuda = self._device.type == "cuda"
         self._every = self.cuda_sample_every if self._cuda else 1  # a sync is free on the CPU: time every step
         self._total, self._window = _Totals(), _Totals()
-        self._batches = 0
-        self._last_end: float | None = None
+        # The optimizer step under way: its batches so far (batches that never reach a step by the end of fit
+        # are left out).
+        self._step = _Totals()
+        self._steps = 0  # optimizer steps ended, warm-up included
+        self._global_step = trainer.global_step  # as it was at the first batch of the step under way
+        self._last_end = time.perf_counter()  # reset at every epoch start
         self._fetch_s, self._fetch_start = 0.0, 0.0  # this batch's time in the loader's next()
-        self._timing = False  # is this batch's all-reduce timed?
-        self._comm: list[tuple] = []  # this batch's all-reduce (start, end) pairs
+        self._timing = False  # is this step timed (its batches' parts, its all-reduce)?
+        self._comm: list[tuple] = []  # this step's all-reduce (start, end) pairs
         self._comm_measured = False
-        # Other threads' run-queue clock at this batch's first all-reduce and at its last completion. On CUDA
+        # Other threads' run-queue clock at this step's first all-reduce and at its last completion. On CUDA
         # the all-reduce runs on the device (its span is device time): no host thread to wait for.
         self._threads = _OtherThreadsRunQueue() if not self._cuda else None
         self._comm_wait: list[float] = []
@@ -279,11 +290,13 @@ class ScalingDoctor(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not self.enabled:
             return
+        if not self._step.micro_batches:  # the first batch of an optimizer step
+            self._global_step = trainer.global_step
+            self._timing = self._steps >= self.warmup_steps and self._steps % self._every == 0
+            self._comm.clear()
+            self._comm_wait.clear()
         self._wait_start = self._runqueue()
         self._start = time.perf_counter()
-        self._timing = self._batches >= self.warmup_steps and self._batches % self._every == 0
-        self._comm.clear()
-        self._comm_wait.clear()
         self._samples = extract_batch_size(batch)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -293,36 +306,45 @@ class ScalingDoctor(L.Callback):
             torch.cuda.synchronize(self._device)
         end = time.perf_counter()
         wait_end = self._runqueue()
-        if self._batches >= self.warmup_steps and self._last_end is not None:
-            comm = self._comm_seconds() if self._timing else 0.0
-            # Summed over threads: may exceed the span when two waited at once; the span bounds it.
-            comm_wait = min(max(0.0, self._comm_wait[1] - self._comm_wait[0]), comm) if self._comm_wait else 0.0
-            for t in (self._total, self._window):
-                t.steps += 1
-                t.wall_s += end - self._last_end
-                t.samples += self._samples
-                if self._timing:
-                    t.timed_steps += 1
-                    t.data_s += self._fetch_s
-                    t.busy_s += end - self._start
-                    t.comm_s += comm
-                    t.step_s += end - self._last_end
-                    t.contention_s += wait_end - self._wait_last
-                    t.data_contention_s += self._data_wait_s
-                    t.busy_contention_s += wait_end - self._wait_start
-                    t.gc_s += self._gc_s
-                    t.comm_contention_s += comm_wait
-            if self._timing:
-                self._step_comm.append(comm - comm_wait)
-        self._batches += 1
+        step = self._step  # this batch's times add to its optimizer step's
+        step.micro_batches += 1
+        step.samples += self._samples
+        step.wall_s += end - self._last_end
+        if self._timing:
+            step.data_s += self._fetch_s
+            step.busy_s += end - self._start
+            step.step_s += end - self._last_end
+            step.contention_s += wait_end - self._wait_last
+            step.data_contention_s += self._data_wait_s
+            step.busy_contention_s += wait_end - self._wait_start
+            step.gc_s += self._gc_s
         self._fetch_s = self._data_wait_s = self._gc_s = 0.0
-        if self.report_every_n_steps and self._batches % self.report_every_n_steps == 0:
-            self._report(trainer, pl_module, self._window)
-            self._window = _Totals()
-        if self._cuda and self._batches >= self.warmup_steps and self._batches % self._every == 0:
-            torch.cuda.synchronize(self._device)  # the next batch is timed: start it with an idle device
+        # A doctor step is one optimizer step: it ends with the batch in which global_step moved. Accumulating
+        # batches leave it as it is; a manual-optimization step over two optimizers moves it by 2, still one step.
+        if trainer.global_step != self._global_step:
+            self._end_step()
+            if self.report_every_n_steps and self._steps % self.report_every_n_steps == 0:
+                self._report(trainer, pl_module, self._window)
+                self._window = _Totals()
+            if self._cuda and self._steps >= self.warmup_steps and self._steps % self._every == 0:
+                torch.cuda.synchronize(self._device)  # the next step is timed: start it with an idle device
         self._last_end = time.perf_counter()
         self._wait_last = self._runqueue()
+
+    def _end_step(self) -> None:
+        """Add the optimizer step that just ended to the totals, unless it is a warm-up step."""
+        step, self._step = self._step, _Totals()
+        if self._steps >= self.warmup_steps:
+            step.steps = 1
+            if self._timing:
+                comm = self._comm_seconds()
+                # Summed over threads: may exceed the span when two waited at once; the span bounds it.
+                wait = min(max(0.0, self._comm_wait[1] - self._comm_wait[0]), comm) if self._comm_wait else 0.0
+                step.timed_steps, step.comm_s, step.comm_contention_s = 1, comm, wait
+                self._step_comm.append(comm - wait)
+            self._total.add(step)
+            self._window.add(step)
+        self._steps += 1
 
     # ---- report ------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

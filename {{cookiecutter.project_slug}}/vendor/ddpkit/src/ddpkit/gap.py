@@ -40,7 +40,7 @@ def _mean(s: dict, key: str) -> float:
 
 
 def global_batch(s: dict) -> float:
-    """Samples per step summed over the ranks."""
+    """Samples per optimizer step summed over the ranks (every micro-batch of the step)."""
     return sum(r["batch"] for r in s["ranks"])
 
 

@@ -47,6 +47,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ddpkit.diagnosis import SCHEMA
 from ddpkit.gap import PARTS, explain, format_explain, measured_without_contention, predict
 
 
@@ -352,7 +353,13 @@ def load_summary(path: Path) -> dict:
     found = [path] if path.is_file() else sorted(path.rglob("doctor.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"no doctor.json in {path} (the doctor writes it when the run has a logger)")
-    return json.loads(found[-1].read_text())
+    summary = json.loads(found[-1].read_text())
+    if summary.get("schema") != SCHEMA:  # absent before schema 2
+        raise SystemExit(
+            f"error: {found[-1]} has schema {summary.get('schema', 1)}, this ddpkit reads schema {SCHEMA}: "
+            "fit that run again with this version"
+        )
+    return summary
 
 
 def explain_runs(paths: list[Path]) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from .check_parity import assert_within, fp64_bound
 from .fake_cluster import SLURM_JOB_ID, last_weights
+from .runs import comparable
 
 
 def probes(text: str) -> list[str]:
@@ -19,7 +20,13 @@ def probes(text: str) -> list[str]:
 
 def reference(cpu_runs, global_batch) -> dict[str, torch.Tensor]:
     """Weights after the same training on 1 device (the first wave's float64 run)."""
-    return last_weights(cpu_runs["1dev-fp64"].root, 2 * global_batch["steps_per_epoch"])
+    comparable(global_batch)
+    return last_weights(cpu_runs["1dev-fp64"].root, total_steps(global_batch))
+
+
+def total_steps(global_batch) -> int:
+    """Lightning's global_step after the 2 epochs (optimizer steps: several a batch for some modules)."""
+    return 2 * global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]
 
 
 def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
@@ -30,7 +37,7 @@ def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, globa
     assert probes(logs) == [
         f"RANK_PROBE global={r} local=0 node={r} world=2 env=TorchElasticEnvironment step=0" for r in range(2)
     ]
-    weights = last_weights(job.root, 2 * global_batch["steps_per_epoch"])
+    weights = last_weights(job.root, total_steps(global_batch))
     assert_within(reference(cpu_runs, global_batch), weights, fp64_bound(cpu_runs, steps), "torchrun nodes vs 1dev")
 
 
@@ -43,7 +50,7 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, 
         for out in (job.first[rank], job.second[rank]):
             (probe,) = probes(out)
             assert probe.startswith(f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment ")
-    weights = last_weights(job.root, 2 * global_batch["steps_per_epoch"])
+    weights = last_weights(job.root, total_steps(global_batch))
     assert_within(reference(cpu_runs, global_batch), weights, fp64_bound(cpu_runs, steps), "SLURM job vs 1dev")
 
 
@@ -55,7 +62,7 @@ def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(
     assert job.scontrol == f"requeue {SLURM_JOB_ID}\n"
     hpc = job.root / "hpc_ckpt_1.ckpt"
     saved_step = torch.load(hpc, weights_only=True)["global_step"]
-    steps = global_batch["steps_per_epoch"]
+    steps = global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]
     assert steps < saved_step < 2 * steps and f"saved {hpc} at step {saved_step}" in job.first[0]
     assert f"Restoring states from the checkpoint path at {hpc}" in job.second[0]
     for rank, out in enumerate(job.second):

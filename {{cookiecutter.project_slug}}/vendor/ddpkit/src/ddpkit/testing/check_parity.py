@@ -23,7 +23,7 @@ import torch
 from ..parity import main as compare_main
 from ..parity import max_abs, over_bound, read_csv_scalars, read_scalars, report, scalar_diffs, weight_diffs
 from .plugin import GPU_PRECISIONS
-from .runs import Run, Waves, as_cuda
+from .runs import Run, Waves, as_cuda, comparable, global_step
 
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
 # 2 epochs. Measured on CPU with the digits example (AdamW, 32 steps), seeds 0-7: float64 at most
@@ -137,8 +137,9 @@ def assert_scalars_close(a: Run, b: Run, bound: float) -> None:
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 def test_weights_match_1_vs_2_devices(cpu_runs, steps, precision):
     """After 2 epochs every parameter matches within the precision's bound."""
+    comparable(steps)
     one, two = cpu_runs[f"1dev-{precision}"], cpu_runs[f"2dev-{precision}"]
-    assert one.global_step() == two.global_step() == 2 * steps["steps_per_epoch"]
+    assert one.global_step() == two.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     assert_weights_close(one, two, fp64_bound(cpu_runs, steps) if precision == "fp64" else BOUNDS["cpu", "32-true"])
 
 
@@ -158,14 +159,16 @@ def assert_bf16_close(one: Run, two: Run, one_float32: Run) -> None:
 def test_bf16_logged_values_differ_less_than_bf16_from_float32(cpu_runs, steps):
     """bf16-mixed: every logged tag at every step (loss curve, validation) of 1 and 2 devices differs by at most
     BF16_FACTOR times the difference between bf16 and float32 on 1 device."""
+    comparable(steps)
     one, two = cpu_runs["1dev-bf16"], cpu_runs["2dev-bf16"]
-    assert one.global_step() == two.global_step() == 2 * steps["steps_per_epoch"]
+    assert one.global_step() == two.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     assert_bf16_close(one, two, cpu_runs["1dev-fp32"])
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
-def test_logged_scalars_match_every_step(cpu_runs, precision):
+def test_logged_scalars_match_every_step(cpu_runs, steps, precision):
     """Every TensorBoard tag the module logs, at every step it logs it, matches 1 device."""
+    comparable(steps)
     one, two = cpu_runs[f"1dev-{precision}"], cpu_runs[f"2dev-{precision}"]
     logged = read_scalars(two.version)
     assert logged and all(logged.values())  # something was logged, and compared below tag by tag
@@ -173,15 +176,16 @@ def test_logged_scalars_match_every_step(cpu_runs, precision):
     assert_scalars_close(one, two, max(bound, FLOAT32_STORAGE))
 
 
-def test_logged_training_values_are_global(cpu_runs, global_batch):
+def test_logged_training_values_are_global(cpu_runs, steps):
     """Each value the module logs in training is synced (the same on both ranks, not each rank's own batch's)
     and equals 1 device's on every step (torchmetrics objects keep float32 sums: METRIC_STATE_ROUNDING)."""
     one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
     reference = one.probe()["train"]
     rank0, rank1 = two.probe(rank=0)["train"], two.probe(rank=1)["train"]
     assert rank0 == rank1  # a value logged without sync_dist differs between the ranks
-    steps = list(range(1, 2 * global_batch["steps_per_epoch"] + 1))
-    assert [r["step"] for r in rank0] == [r["step"] for r in reference] == steps
+    stepped = [global_step(steps, b) for b in range(1, 2 * steps["steps_per_epoch"] + 1)]  # at each batch's end
+    assert [r["step"] for r in rank0] == [r["step"] for r in reference] == stepped
+    comparable(steps)
     for a, b in zip(reference, rank0, strict=True):
         assert a.keys() == b.keys()
         for key in a.keys() - {"step"}:
@@ -194,6 +198,8 @@ def test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices(c
     size = global_batch["predict_size"]
     if not size:
         pytest.skip("the configured data module has no predict set")
+    if "predict" not in global_batch["stages"]:
+        pytest.skip(f"{global_batch['model']} defines no predict_step")
     one, two = (cpu_runs[f"predict-{n}dev"].root / "predictions.pt" for n in (1, 2))
     predictions = torch.load(one, weights_only=True)
     first = predictions
@@ -218,6 +224,11 @@ def test_eval_metrics_count_each_sample_once(cpu_runs, global_batch, stage):
     size = global_batch[f"{stage}_size"]
     if not size:
         pytest.skip(f"the configured data module has no {stage} set")
+    command, step = {"val": ("validate", "validation_step"), "test": ("test", "test_step")}[stage]
+    if command not in global_batch["stages"]:
+        pytest.skip(f"{global_batch['model']} defines no {step}")
+    if stage == "val":  # validated during the fits
+        comparable(global_batch)
     one, ranks = eval_records(cpu_runs, stage)
     assert one["samples"] == size and [r["samples"] for r in ranks] == [(size + 1) // 2, size // 2]
     assert ranks[0] | {"samples": 0} == ranks[1] | {"samples": 0}  # synced: equal on every rank
@@ -270,7 +281,7 @@ def test_2_devices_write_one_set_of_files(cpu_runs, global_batch):
     assert written == files_written(one)
     checkpoints = [n for n in written if "/checkpoints/" in n]
     names = sorted(n.rsplit("/", 1)[1] for n in checkpoints if "best-" not in n)
-    epochs = [epoch_ckpt(e, global_batch["steps_per_epoch"]) for e in (0, 1)]
+    epochs = [epoch_ckpt(e, global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]) for e in (0, 1)]
     assert names == [*epochs, "last.ckpt"] and len(checkpoints) - len(names) <= 1  # and the best, if monitored
     assert set(written) - set(checkpoints) == {
         f"lightning_logs/version_0/{n}"
@@ -286,7 +297,8 @@ def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
     if steps["steps_per_epoch"] < 4:
         pytest.skip(f"{steps['steps_per_epoch']} steps per epoch: the resume points fall on epoch ends")
     k = steps["two_to_one"]
-    ckpt = torch.load(cpu_runs["2dev-fp64"].mid_checkpoint(k), map_location="cpu", weights_only=False)
+    path = cpu_runs["2dev-fp64"].mid_checkpoint(global_step(steps, k))
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "global_batches_done": k}]
 
 
@@ -295,8 +307,10 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     """2 devices' checkpoint from 3/4 into epoch 0 resumed on 1 device, and 1 device's from 1/4 into epoch 1
     resumed on 2: each trains only the remaining steps and ends with the uninterrupted weights."""
     resumed, total = cpu_runs[run], 2 * steps["steps_per_epoch"]
-    assert resumed.global_step() == total
-    assert [r["step"] for r in resumed.probe()["train"]] == list(range(steps[start] + 1, total + 1))
+    assert resumed.global_step() == global_step(steps, total)
+    stepped = [global_step(steps, b) for b in range(steps[start] + 1, total + 1)]
+    assert [r["step"] for r in resumed.probe()["train"]] == stepped
+    comparable(steps)
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
 
 
@@ -307,7 +321,8 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     locations = []
     torch.load(as_cuda(cpu_runs["2dev-fp64"], steps), map_location=lambda s, loc: locations.append(loc) or s)
     assert locations and set(locations) == {"cuda:0"}
-    assert resumed.global_step() == 2 * steps["steps_per_epoch"]
+    assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
+    comparable(steps)
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
 
 
@@ -315,10 +330,13 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
 def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
     """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights: the
     first differs by rounding only (it is the float64 bounds' rounding reference), the second within the bound."""
+    if steps["manual_optimization"]:
+        pytest.skip("the module optimizes manually: Lightning does not accumulate for it (refused by the CLI)")
     if steps["batchnorm"]:
         pytest.skip("BatchNorm normalizes each micro-batch by its own statistics: accumulation changes the training")
     if not steps["micro_batch_size"]:
         pytest.skip("the configured data module takes no micro_batch_size, or its global batch is not a multiple of 4")
+    comparable(steps)
     accumulated = cpu_runs[run]
     assert accumulated.global_step() == 2 * steps["steps_per_epoch"]
     micro_batches = len(accumulated.probe()["batches"]["0"])  # forward passes of one rank in epoch 0
@@ -332,6 +350,7 @@ def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
 
 def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs, steps):
     """`torchrun --nproc_per_node=2 main.py fit` runs 2 ranks and trains the same weights and logs."""
+    comparable(steps)
     torchrun = cpu_runs["torchrun-fp64"]
     assert [torchrun.probe(rank=r)["world_size"] for r in (0, 1)] == [2, 2]
     assert_weights_close(cpu_runs["1dev-fp64"], torchrun, fp64_bound(cpu_runs, steps))
@@ -344,6 +363,7 @@ def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
     step (it rises through the warmup, then falls) and end with the same weights (float64 bound)."""
     if not steps["takes_scheduler"]:
         pytest.skip("the configured model takes no scheduler argument")
+    comparable(steps)
     one, two = cpu_runs["1dev-lr-fp64"], cpu_runs["2dev-lr-fp64"]
     lr = [{t: v for t, v in read_csv_scalars(run.version).items() if t.startswith("lr-")} for run in (one, two)]
     assert lr[0] and lr[0] == lr[1]  # the same float64 values, exactly
@@ -354,19 +374,21 @@ def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
     assert_weights_close(one, two, fp64_bound(cpu_runs, steps))
 
 
-def test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices(cpu_runs):
+def test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices(cpu_runs, steps):
     """`--trainer.logger+=CSVLogger` adds a metrics.csv next to TensorBoard's file, with the same tags, and its
     values at full precision (TensorBoard keeps float32) agree between 1 and 2 devices: within the torchmetrics
     states' float32 rounding (measured: train/loss_epoch 1.1e-7 apart, every other column equal)."""
     one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
     logged = read_csv_scalars(two.version)
     assert logged and logged.keys() == read_scalars(two.version).keys() - {"hp_metric"}  # TensorBoard's own tag
+    comparable(steps)
     diffs = scalar_diffs(read_csv_scalars(one.version), logged)
     assert diffs[0].max_rel <= METRIC_STATE_ROUNDING, report(diffs)
 
 
-def test_compare_command_reads_metrics_csv(cpu_runs, capsys):
+def test_compare_command_reads_metrics_csv(cpu_runs, steps, capsys):
     """`python -m <package>.parity A B` compares metrics.csv too when the runs have one."""
+    comparable(steps)
     one, two = (str(cpu_runs[f"{n}dev-fp64"].version) for n in (1, 2))
     assert compare_main([one, two, "--rel-tol", str(METRIC_STATE_ROUNDING)]) == 0
     csv_part = capsys.readouterr().out.split("metrics.csv, worst of ")[1]
@@ -390,16 +412,18 @@ needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"CUDA/NCCL parity needs 2 vi
 @pytest.mark.gpu
 @needs_2_gpus
 @pytest.mark.parametrize("precision", ["64-true", "32-true"])  # bf16: logged values only (BF16_FACTOR)
-def test_gpu_weights_match_1_vs_2_gpus(gpu_runs, precision):
+def test_gpu_weights_match_1_vs_2_gpus(gpu_runs, steps, precision):
     """On CUDA/NCCL, 1 and 2 GPUs end within the precision's bound on every parameter."""
+    comparable(steps)
     assert_weights_close(gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"], BOUNDS["gpu", precision])
 
 
 @pytest.mark.gpu
 @needs_2_gpus
 @pytest.mark.parametrize("precision", GPU_PRECISIONS)
-def test_gpu_logged_scalars_match_1_vs_2_gpus(gpu_runs, precision):
+def test_gpu_logged_scalars_match_1_vs_2_gpus(gpu_runs, steps, precision):
     """On CUDA/NCCL, every logged tag at every step matches within the precision's bound."""
+    comparable(steps)
     one, two = gpu_runs[f"1gpu-{precision}"], gpu_runs[f"2gpu-{precision}"]
     if precision == "bf16-mixed":
         assert_bf16_close(one, two, gpu_runs["1gpu-32-true"])

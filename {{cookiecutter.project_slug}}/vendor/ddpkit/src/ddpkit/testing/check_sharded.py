@@ -4,6 +4,7 @@ import pytest
 
 from ..parity import max_abs
 from .fake_cluster import last_weights
+from .runs import comparable
 
 
 def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_runs):
@@ -11,9 +12,10 @@ def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_r
     checkpoint on 1: DDP's float32 weights on 1 device (runs.sharded_job)."""
     if not configured["shards_layers"] or not configured["global_batch_data"]:
         pytest.skip(f"{configured['model']} does not shard its layers in configure_model (ddpkit.shard_layers)")
+    comparable(configured)
     sharded = cpu_runs["sharded"]
     assert sharded["files"] == ["__0_0.distcp", "__1_0.distcp"]  # one per rank
-    steps = 2 * configured["steps_per_epoch"]
+    steps = 2 * configured["steps_per_epoch"] * configured["steps_per_batch"]
     # Without fully_shard in configure_model the ranks' gradients are not synced and this fails. Bound: float32
     # rounding of 2 ways to sum the gradients.
     assert max_abs(sharded["weights"], last_weights(cpu_runs["1dev-fp32"].root, steps)) < 1e-6

@@ -5,9 +5,13 @@ line; `describe()` runs it in a process forked from the fork server (building a 
 would set up its environment there).
 """
 
+import copy
 import inspect
 import json
+import random
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 from ..lightning_internals import BatchNormBase
@@ -42,6 +46,15 @@ def _measure(args: list[str]) -> dict:
         "shards_layers": type(model).configure_model is not L.LightningModule.configure_model,
         # The schedule parity runs set --model.scheduler, which exists only if the model takes it.
         "takes_scheduler": "scheduler" in inspect.signature(type(model).__init__).parameters,
+        # Lightning counts a manual-optimization module's optimizer.step() calls as its steps (several a batch).
+        "manual_optimization": not model.automatic_optimization,
+        # The stages the module defines a step for (`validate`, `test` and `predict` fail without one; Lightning's
+        # default predict_step calls forward on the whole batch, which few modules take).
+        "stages": [
+            stage
+            for stage, hook in (("validate", "validation_step"), ("test", "test_step"), ("predict", "predict_step"))
+            if getattr(type(model), hook) is not getattr(L.LightningModule, hook)
+        ],
         # Micro-batches change BatchNorm's statistics: no accumulation runs, no rounding reference from them.
         "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
     }
@@ -57,7 +70,56 @@ def _measure(args: list[str]) -> dict:
         info["test_size"] = len(data.test_set) if data.test_set is not None else 0
         data.setup("predict")
         info["predict_size"] = len(data.predict_set) if data.predict_set is not None else 0
+        info |= probe_training_step(model, data, cli.config["model"])
     return info
+
+
+# Init arguments whose name says they set a random draw's size (a dropout rate, a noise level).
+RATE_NAMES = re.compile(r"drop|noise", re.IGNORECASE)
+
+
+def probe_training_step(model, data, model_config) -> dict:
+    """Train one batch twice from the same weights on the same batch (the sampler's seed stays fixed), with
+    torch's, Python's and NumPy's random streams seeded 0 and then 1, no dropout modules (as in the suite's runs).
+
+    - `steps_per_batch`: optimizer steps the batch made (the trainer's global_step: one per optimizer.step()
+      call, so 2 for a GAN stepping two optimizers);
+    - `random_step`: "" when the two ends are equal bit for bit, else why 1 and N devices cannot train the same
+      weights (functional dropout, noise drawn in the step: each rank draws its own) and how to switch it off.
+    """
+    import lightning as L
+    import numpy as np
+    import torch
+
+    from .parity_probe import NoDropout
+
+    ends = []
+    for seed in (0, 1):
+        torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
+        trained = copy.deepcopy(model)
+        with tempfile.TemporaryDirectory() as root:
+            trainer = L.Trainer(
+                accelerator="cpu", devices=1, precision="64-true", max_epochs=1, limit_train_batches=1,
+                limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[NoDropout()], default_root_dir=root,
+            )  # fmt: skip
+            trainer.fit(trained, datamodule=data)
+        ends.append((trainer.global_step, trained.state_dict()))
+    (steps, first), (_, second) = ends
+    changed = [k for k in first if not torch.equal(first[k], second[k])]
+    random_step = ""
+    if changed:
+        given = model_config.get("init_args") if hasattr(model_config, "get") else None
+        given = given.as_dict() if hasattr(given, "as_dict") else {}
+        rates = [k for k, v in given.items() if RATE_NAMES.search(k) and isinstance(v, float) and v]
+        switch = " ".join(f"--model.{k} 0" for k in rates) or "--model.<its rate> 0"
+        random_step = (
+            f"{type(model).__name__}'s training step draws random numbers (one step from the same weights and batch "
+            f"under seeds 0 and 1 changes {len(changed)} of {len(first)} tensors differently, e.g. {changed[0]}), "
+            "so 1 and N devices cannot train the same weights: switch the draw off for the checks with "
+            f"PARITY_ARGS='{switch}', or draw it in the data set (README, 'Replace the example', step 2)"
+        )
+    return {"steps_per_batch": steps, "random_step": random_step}
 
 
 def cli() -> None:

@@ -49,7 +49,8 @@ class NoDropout(L.Callback):
 
     Dropout draws a different mask for a sample on 2 ranks than on 1 device (each rank has its own random
     stream): that is randomness, not a DDP bug, and it would hide real differences. Functional dropout
-    (`F.dropout` in forward) is not reached: use `nn.Dropout` modules.
+    (`F.dropout` in forward) is not reached: use `nn.Dropout` modules (the suite names a step that draws
+    random numbers otherwise: configured.probe_training_step).
     """
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -6,14 +6,15 @@ three waves; every run of a wave starts at once (each run is mostly start-up, wh
    ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
    reversed): summation order alone, the rounding the float64 bounds start from.
 2. 1 and 2 devices in float32 and in bf16-mixed, `torchrun`, gradient accumulation on 2 devices x 2
-   micro-batches, two torchrun "nodes", sharded training when the module shards, and, when
-   the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
+   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
+   module shards, and, when the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
-   the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices, `fit
-   --ckpt_path last` continuing a finished run, and a 2-node SLURM job that is signalled, requeued and
-   resumed.
+   the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
+   module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
+   is signalled, requeued and resumed.
 A wave starts when a test first asks for one of its runs, so `pytest -k ...` starts only the waves it reads.
-The sizes and steps come from the configured data module (configured.py).
+The sizes and steps come from the configured data module and model (configured.py); steps are counted in global
+batches, and Lightning's global_step is `steps_per_batch` times that (a GAN stepping two optimizers: 2).
 
 Add arguments to every run (another model, a smaller set):
     PARITY_ARGS="--model my_model.MyModel" pytest tests/test_guarantees.py
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from ..parity import load_weights
@@ -69,12 +71,16 @@ class Run:
 
 def plan(configured: dict) -> dict:
     """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1/4 into epoch 1 (with
-    fewer than 4 steps per epoch the resume points fall on epoch ends); accumulate with micro-batches of
-    a quarter of the global batch when the data module takes a micro_batch_size that divides it and the model
-    has no BatchNorm (micro-batches would change its statistics)."""
+    fewer than 4 steps per epoch the resume points fall on epoch ends), counted in global batches; accumulate
+    with micro-batches of a quarter of the global batch when the data module takes a micro_batch_size that
+    divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization) and
+    has no BatchNorm (micro-batches would change its statistics). `steps_per_batch`: optimizer steps per global
+    batch, which Lightning's global_step counts (several for a module that steps several optimizers itself);
+    `random_step`: why numbers cannot match (configured.probe_training_step)."""
     n, batch = configured["steps_per_epoch"], configured["global_batch_size"]
     batchnorm = configured.get("batchnorm", False)
-    micro = batch // 4 if configured["takes_micro_batch_size"] and batch % 4 == 0 and not batchnorm else None
+    accumulates = configured["takes_micro_batch_size"] and not configured.get("manual_optimization")
+    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm else None
     return {
         "steps_per_epoch": n,
         "two_to_one": max(1, 3 * n // 4),
@@ -82,8 +88,24 @@ def plan(configured: dict) -> dict:
         "micro_batch_size": micro,
         "takes_scheduler": configured.get("takes_scheduler", False),
         "shards": configured.get("shards_layers", False),
+        "manual_optimization": configured.get("manual_optimization", False),
+        "steps_per_batch": configured.get("steps_per_batch", 1),
+        "random_step": configured.get("random_step", ""),
+        "stages": configured.get("stages", ["validate", "test", "predict"]),
         "batchnorm": batchnorm,
     }
+
+
+def global_step(steps: dict, batches: int) -> int:
+    """Lightning's global_step after `batches` global batches of training."""
+    return batches * steps["steps_per_batch"]
+
+
+def comparable(steps: dict) -> None:
+    """Fail with the reason, instead of on a number, where the runs cannot train the same weights (a training
+    step that draws random numbers: configured.probe_training_step)."""
+    if steps.get("random_step"):
+        pytest.fail(steps["random_step"], pytrace=False)
 
 
 def parity_args() -> list[str]:
@@ -108,7 +130,8 @@ def run_args(steps: dict) -> list[str]:
         "--trainer.enable_model_summary",
         "false",
         "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
-        f"--trainer.callbacks.save_at_steps=[{steps['two_to_one']}, {steps['one_to_two']}]",
+        f"--trainer.callbacks.save_at_steps=[{global_step(steps, steps['two_to_one'])}, "
+        f"{global_step(steps, steps['one_to_two'])}]",
         # An epoch-end checkpoint of every epoch, besides the configured checkpoint callback.
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         "--trainer.callbacks.save_top_k=-1",
@@ -162,7 +185,7 @@ def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Call
 
 def as_cuda(run: Run, steps: dict) -> Path:
     """`run`'s checkpoint 3/4 into epoch 0, saved again with every tensor tagged as stored on cuda:0."""
-    path = run.mid_checkpoint(steps["two_to_one"])
+    path = run.mid_checkpoint(global_step(steps, steps["two_to_one"]))
     cuda = path.with_name(f"{path.stem}-cuda.ckpt")
     if not cuda.exists():
         save_as_cuda(torch.load(path, map_location="cpu", weights_only=False), cuda)
@@ -245,15 +268,8 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs")
         (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
         best = best_checkpoint(one)
-        return {
-            # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
-            "resume-2to1": run(
-                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps))))
-            ),
-            "resume-1to2": run(
-                "resume-1to2",
-                main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(steps["one_to_two"])))),
-            ),
+        resume_at = global_step(steps, steps["one_to_two"])
+        evaluations = {
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
             "predict-1dev": run(
@@ -261,6 +277,17 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             ),
             "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best)))),
             "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, str(one.checkpoint())))),
+        }
+        return {
+            # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
+            "resume-2to1": run(
+                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps))))
+            ),
+            "resume-1to2": run(
+                "resume-1to2",
+                main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(resume_at)))),
+            ),
+            **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
             # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
             "continue": run(
                 "continue",
@@ -287,21 +314,19 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             second,
         ),  # fmt: skip
         Wave(
-            (
-                "resume-2to1",
-                "resume-1to2",
-                "validate-1dev",
-                "test-1dev",
-                "predict-1dev",
-                "test-2dev",
-                "predict-2dev",
-                "continue",
-                "slurm-requeue",
-            ),
+            ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue"),
             third,
         ),  # fmt: skip
     ]
     return Waves(base, waves)
+
+
+EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
+
+
+def evaluation_runs(steps: dict) -> list[str]:
+    """The third wave's runs of validate, test and predict that the module defines a step for."""
+    return [name for name in EVALUATIONS if name.split("-")[0] in steps["stages"]]
 
 
 def best_checkpoint(run: Run) -> Path:
@@ -342,4 +367,17 @@ def sharded_job(root: Path, steps: dict) -> dict:
     return {"files": sorted(p.name for p in sharded.glob("*.distcp")), "weights": weights}
 
 
-__all__ = ["PROJECT_CONFIG", "Run", "SlurmJob", "Waves", "as_cuda", "fit", "main_cmd", "plan", "shared_runs"]
+__all__ = [
+    "PROJECT_CONFIG",
+    "Run",
+    "SlurmJob",
+    "Waves",
+    "as_cuda",
+    "comparable",
+    "evaluation_runs",
+    "fit",
+    "global_step",
+    "main_cmd",
+    "plan",
+    "shared_runs",
+]

@@ -1,0 +1,273 @@
+"""How each shell command of the root README and of a baked project's README is checked, and `run_readme`,
+which runs the generated README's commands for tests/test_docs.py (started in the background by
+tests/conftest.py, beside the other tests).
+
+`GENERATED` and `ROOT` say how each command is checked, keyed by the command exactly as its README writes
+it (without a trailing `# comment`). A command in a README that these tables do not list fails the test, and
+so does a listed command that the README no longer has: README and tables stay in step.
+
+The checks:
+- `Run`: run in the baked project (with the language-model example), in a virtual environment that the
+  README's own install commands fill; it must exit 0 and print every `expect` string (and none of `absent`).
+  Where the README shows output (a block opening with `$ command`), each `expect` string must also be in
+  the output the README shows. The command runs as written or with one of these substitutions for a 2-core
+  CPU machine, each visible in the table: fewer steps (`FEW`), 2 CPU processes where the README has 4 or 8
+  GPUs, this machine for the other node of a rendezvous.
+- `NeedsGPU`: without a GPU the command stops at once with one `error:` line and exit 2, like other bad
+  input; with `--print_config` added it must parse (exit 0).
+- `Scheduler`: `sbatch` becomes `bash` under the variables SLURM sets, with a stand-in `srun` that runs its
+  command with `--print_config` added: the command the script composes parses and holds `expect`.
+- `Elsewhere`: another test runs this command (named, and checked to exist).
+
+`run_readme` runs the install commands first, then the rest in two chains at once, each in README order (a
+later command may use what an earlier one trained): `SECOND_CHAIN` holds the commands that neither write nor
+read the project's runs (lightning_logs/, runs/), the first chain all others.
+"""
+
+import re
+import shlex
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bakes import TEMPLATE, run
+
+FEW = " --trainer.max_steps 20"  # fewer steps: enough for a validation pass, a checkpoint and the doctor
+FEW_LM = " --trainer.max_steps 4"  # the language model's steps are ~0.4 s on this machine
+
+
+@dataclass
+class Run:
+    command: str | None = None  # what runs here, when it differs from the README's
+    expect: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+    timeout: float = 300
+
+
+@dataclass
+class NeedsGPU:
+    error: str  # the one `error:` line without a GPU
+
+
+@dataclass
+class Scheduler:
+    nodes: int  # SLURM_NNODES that sbatch would set
+    expect: list[str]
+
+
+@dataclass
+class Elsewhere:
+    test: str  # file::function of the test that runs the command
+
+
+OWN_PROJECT = "tests/test_own_project.py::test_own_model_and_data_keep_the_guarantees"
+UPDATE = "tests/test_own_project.py::test_update_keeps_the_users_files_and_brings_the_new_library"
+NO_GPU = "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu."
+DOCTOR_LINES = [
+    "Scaling doctor: 2 x cpu, ",
+    "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | cpu wait ms | gc ms | peak MB",
+    "data wait ",
+    "verdict: ",
+]
+SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
+
+GENERATED = {
+    "pip install torch==2.13.0": Run(),
+    'pip install -e ".[dev]"': Run(),
+    "python main.py fit": Run(expect=["Scaling doctor: 1 x cpu", "verdict: "]),
+    "python main.py fit --trainer.devices 2": Run("python main.py fit --trainer.devices 2" + FEW, ["2 x cpu"]),
+    "python main.py fit --trainer.accelerator cpu --trainer.devices 2": Run(
+        "python main.py fit --trainer.accelerator cpu --trainer.devices 2" + FEW, ["Scaling doctor: 2 x cpu"]
+    ),
+    "python main.py fit --print_config": Run(expect=["class_path: ddp_digits.digits.module.DigitsClassifier"]),
+    "python main.py fit --help": Run(expect=["--trainer.devices", "--doctor.comm_share", "--model.help CLASS"]),
+    "python main.py fit --model.help DigitsClassifier": Run(expect=["--model.hidden_dim", "--model.optimizer"]),
+    "python main.py fit --data.help DigitsDataModule": Run(expect=["--data.global_batch_size"]),
+    "python main.py fit --config configs/debug.yaml": Run(
+        expect=["FIT Profiler Report", "Scaling doctor: 1 x cpu, 2 steps"]  # 5 batches, 3 of them warm-up
+    ),
+    "pytest tests/test_guarantees.py": Elsewhere(OWN_PROJECT),
+    "python main.py fit --trainer.devices 1 --trainer.default_root_dir runs/one": Run(
+        "python main.py fit --trainer.devices 1 --trainer.default_root_dir runs/one" + FEW
+    ),
+    "python main.py fit --trainer.devices 8 --trainer.default_root_dir runs/eight": Run(
+        "python main.py fit --trainer.devices 2 --trainer.default_root_dir runs/eight" + FEW, ["2 x cpu"]
+    ),
+    "python -m ddpkit.parity runs/one/lightning_logs/version_0 runs/eight/lightning_logs/version_0": Run(
+        expect=["PASS: worst max_rel"]
+    ),
+    "sbatch cluster/slurm.sbatch": Scheduler(2, ["num_nodes: 2", "devices: '4'", "slurm_requeue: true"]),
+    "sbatch --nodes 4 cluster/slurm.sbatch --config configs/model_parallel.yaml": Scheduler(
+        4, ["num_nodes: 4", "slurm_requeue: true", "ModelParallelStrategy", "default_root_dir: runs/slurm-4242"]
+    ),
+    "NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 bash cluster/torchrun.sh": Run(
+        "NNODES=1 GPUS_PER_NODE=2 RDZV_ENDPOINT=localhost:PORT bash cluster/torchrun.sh --trainer.accelerator cpu"
+        + FEW,
+        ["Scaling doctor: 2 x cpu"],
+    ),
+    "python main.py fit --config configs/lm.yaml": Run("python main.py fit --config configs/lm.yaml" + FEW_LM),
+    "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml": Run(
+        "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml" + FEW_LM, ["2 x cpu"]
+    ),
+    "python main.py fit --config configs/lm.yaml --config configs/fsdp.yaml": NeedsGPU(NO_GPU),
+    (
+        "python main.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 100 "
+        "--doctor.measure_comm true"
+    ): Run(
+        "python main.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 20 "
+        "--doctor.measure_comm true",
+        DOCTOR_LINES,
+        absent=["comm not timed"],
+    ),
+    "python main.py fit --doctor.report_every_n_steps 100": Run(
+        "python main.py fit --doctor.report_every_n_steps 100" + FEW, ["Scaling doctor"]
+    ),
+    "python main.py fit --doctor.comm_share 0.5": Run("python main.py fit --doctor.comm_share 0.5" + FEW),
+    "python main.py fit --doctor.enabled false": Run(
+        "python main.py fit --doctor.enabled false" + FEW, absent=["Scaling doctor"]
+    ),
+    'pip install -e ".[scaling]"': Run(),
+    "python -m ddpkit.scaling --devices 1 2 4 --max-steps 300": Run(
+        "python -m ddpkit.scaling --devices 1 2 --max-steps 20", [SWEEP_HEADER, "written: "]
+    ),
+    "python -m ddpkit.scaling --devices 1 2 -- --trainer.accelerator cpu": Run(
+        expect=[SWEEP_HEADER, "written: scaling/scaling.md, scaling.json, scaling.png"]
+    ),
+    "python -m ddpkit.scaling --explain scaling/devices_1 scaling/devices_2": Run(
+        expect=["2 device(s) against 1: ", "  unexplained ", "verdict: "]
+    ),
+    "python -m ddpkit.scaling --preflight --devices 2 -- --trainer.accelerator cpu": Run(
+        expect=[
+            "backend: gloo",
+            "rank | device | current_device | name | cores visible | all_reduce(1)",
+            "ok: 2 processes joined one gloo group and all-reduced correctly",
+        ]
+    ),
+    "python main.py validate --ckpt_path last": Run(expect=["validate: --ckpt_path last is ", "Validate metric"]),
+    "python main.py test     --ckpt_path best": Run(expect=["test: --ckpt_path best is ", "Test metric"]),
+    "python main.py predict  --ckpt_path last": Run(expect=["predict: --ckpt_path last is ", "predictions to "]),
+    "python main.py fit && python main.py test --ckpt_path best": Run(
+        "python main.py fit" + FEW + " && python main.py test --ckpt_path best", ["Test metric"]
+    ),
+    'cruft update -y && pip install -e ".[dev]" && pytest': Elsewhere(UPDATE),
+    "pytest": Elsewhere(OWN_PROJECT),
+    "pytest tests/examples": Run(expect=[" passed"], absent=[" failed", " error"], timeout=900),
+    # Here (no GPU) every GPU test skips with its reason: the marker selects them and nothing else runs.
+    "pytest -m gpu": Run(expect=[" skipped"], absent=["passed", "failed", "error"]),
+}
+
+ROOT = {
+    (
+        "pip install torch==2.13.0 && pip install -r requirements.txt && cookiecutter --no-input . && cd ddp-digits "
+        "&& python main.py fit"
+    ): Run(
+        # The two installs are how .ci/run built the environment these tests run in (the README's test command
+        # starts with the same two); the rest runs here as written, with the template for `.` and fewer steps
+        # (the generated README's `python main.py fit` runs in full and its accuracy is checked).
+        f"cookiecutter --no-input {shlex.quote(str(TEMPLATE))} && cd ddp-digits && python main.py fit" + FEW,
+        ["Baked ddp-digits/. Next", "Scaling doctor: 1 x cpu"],
+    ),
+    "pip install torch==2.13.0 && pip install -r requirements.txt && python -m pytest tests": Elsewhere(
+        "tests/test_bake.py::test_ci_runs_the_readme_test_command"
+    ),
+    "python .ci/gpu_check.py": NeedsGPU(
+        "no CUDA GPU is visible: .ci/gpu_check.py runs what needs one; CI runs the rest"
+    ),
+}
+
+
+def shell_commands(markdown: str) -> list[tuple[str, str]]:
+    """(command, shown output) for each shell command in the fenced code blocks of `markdown`: each line of a
+    ```bash block (a trailing `# comment` removed), and the `$ ` line that opens a plain block of output."""
+    found = []
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE):
+        lines = body.splitlines()
+        if lang == "bash":
+            for line in lines:
+                command = re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
+                if command and not command.startswith("#"):
+                    found.append((command, ""))
+        elif lang == "" and lines and lines[0].startswith("$ "):
+            found.append((lines[0][2:].strip(), "\n".join(lines[1:])))
+    return found
+
+
+FAKE_SRUN = """#!/bin/sh
+# Stand-in for srun: drop srun's own options, run the task once and only print its configuration.
+while [ "${1#-}" != "$1" ]; do shift; done
+exec "$@" --print_config
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# The commands of the second chain: they neither write nor read lightning_logs/ or runs/ (the sweep writes
+# scaling/, the examples' tests their own temporary directories), so they run beside the first chain.
+SECOND_CHAIN = {
+    "python main.py fit --print_config",
+    "python main.py fit --help",
+    "python main.py fit --model.help DigitsClassifier",
+    "python main.py fit --data.help DigitsDataModule",
+    "sbatch cluster/slurm.sbatch",
+    "sbatch --nodes 4 cluster/slurm.sbatch --config configs/model_parallel.yaml",
+    "python -m ddpkit.scaling --devices 1 2 4 --max-steps 300",
+    "python -m ddpkit.scaling --devices 1 2 -- --trainer.accelerator cpu",
+    "python -m ddpkit.scaling --explain scaling/devices_1 scaling/devices_2",
+    "python -m ddpkit.scaling --preflight --devices 2 -- --trainer.accelerator cpu",
+    "pytest tests/examples",
+    "pytest -m gpu",
+}
+
+
+def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
+    """Run one command of the generated README as its check says: {command: (what ran, exit status, output)}
+    (and the `--print_config` run of a NeedsGPU command)."""
+    check, env = GENERATED[command], dict(env)
+    if isinstance(check, Run):
+        ran = (check.command or command).replace("PORT", str(free_port()))
+    elif isinstance(check, NeedsGPU):
+        ran = command
+    else:  # Scheduler
+        ran = re.sub(r"^sbatch( --nodes \d+)? ", "bash ", command)
+        env |= {"SLURM_NNODES": str(check.nodes), "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "4242"}
+        env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    start = time.monotonic()
+    result = run(["bash", "-c", ran], project, getattr(check, "timeout", 300), env)
+    print(f"{time.monotonic() - start:6.1f} s  $ {ran}", flush=True)  # shown with -s: the README's run times
+    done = {command: (ran, result.returncode, result.stdout)}
+    if isinstance(check, NeedsGPU):
+        parsed = run(["bash", "-c", f"{command} --print_config"], project, 120, env)
+        done[command + " --print_config"] = (command, parsed.returncode, parsed.stdout)
+    return done
+
+
+def run_readme(project: Path, env: dict, bin_dir: Path) -> dict:
+    """Every command of the generated README that runs here: the installs in README order, then the two chains
+    at once. Returns {command: (what ran, exit status, output)} and the project's config.yaml before."""
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    results = {"config.yaml before": (project / "config.yaml").read_text()}
+    commands = [
+        c for c, _ in shell_commands((project / "README.md").read_text()) if not isinstance(GENERATED[c], Elsewhere)
+    ]
+    installs = [c for c in commands if c.startswith("pip install")]
+    for command in installs:
+        results |= run_command(command, project, env, bin_dir)
+
+    def chain(second: bool) -> dict:
+        done = {}
+        for command in commands:
+            if command not in installs and (command in SECOND_CHAIN) == second:
+                done |= run_command(command, project, env, bin_dir)
+        return done
+
+    with ThreadPoolExecutor(2) as pool:
+        for done in pool.map(chain, (False, True)):
+            results |= done
+    return results
