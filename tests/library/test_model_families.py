@@ -3,6 +3,7 @@ on models of the families users bring (families.py), on 2 CPU processes: a Batch
 synchronized statistics, a GroupNorm CNN whose rounding exceeds the fixed float64 bound, and a transformer whose key
 bias gets no gradient. The checks are the suite's own functions, given the runs the suite's fixtures would make."""
 
+import inspect
 import os
 import shlex
 from pathlib import Path
@@ -79,13 +80,16 @@ def first_wave(suite: Suite) -> None:
 
 
 def first_wave_checks(suite: Suite) -> None:
-    """The suite's checks that read the first wave, as pytest would call them with the suite's fixtures."""
-    runs, steps, configured = suite
-    check_parity.test_weights_match_1_vs_2_devices(runs, steps, "fp64")
-    check_parity.test_logged_scalars_match_every_step(runs, "fp64")
-    check_parity.test_logged_training_values_are_global(runs, configured)
-    check_parity.test_eval_metrics_count_each_sample_once(runs, configured, "val")
-    check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice(runs, configured)
+    """The suite's checks that read the first wave, each called as pytest would, with the fixtures it names."""
+    fixtures = {"cpu_runs": suite.runs, "steps": suite.steps, "global_batch": suite.configured}
+    for check, params in (
+        (check_parity.test_weights_match_1_vs_2_devices, {"precision": "fp64"}),
+        (check_parity.test_logged_scalars_match_every_step, {"precision": "fp64"}),
+        (check_parity.test_logged_training_values_are_global, {}),
+        (check_parity.test_eval_metrics_count_each_sample_once, {"stage": "val"}),
+        (check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, {}),
+    ):
+        check(**{name: fixtures[name] for name in inspect.signature(check).parameters if name in fixtures}, **params)
 
 
 def test_groupnorm_cnn_passes_on_a_bound_from_its_own_rounding(suites):
