@@ -1,6 +1,7 @@
 """Unit tests of library code the guarantee suite relies on, on no user model: the parity measures, logger
 versions, the collective timeout, the progress bar's default, the requeue checkpoint's name."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -8,8 +9,11 @@ import sys
 import pytest
 import torch
 from ddpkit.cli import main, place_loggers
-from ddpkit.parity import diff, max_abs
+from ddpkit.parity import diff, max_abs, over_bound, report
+from ddpkit.parity import main as compare_main
 from ddpkit.requeue import next_hpc_checkpoint
+from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
+from ddpkit.testing.check_parity import BOUNDS, ROUNDING_CEILING, ROUNDING_FACTOR, fp64_bound
 from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -109,3 +113,69 @@ def test_next_hpc_checkpoint_follows_the_highest_number(tmp_path):
     for name in ("hpc_ckpt_2.ckpt", "hpc_ckpt_10.ckpt", "hpc_ckpt_x.ckpt"):
         (tmp_path / name).touch()
     assert next_hpc_checkpoint(tmp_path) == tmp_path / "hpc_ckpt_11.ckpt"
+
+
+def test_over_bound_leaves_out_tensors_at_rounding_level_and_nan_never_passes():
+    """A tensor fails on max_rel above the bound unless its max_abs is within `at_rounding`; NaN fails either way."""
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    diffs = [
+        diff("key.bias", f64([1e-16, -2e-16]), f64([3e-16, -1e-16])),  # max_rel 1.0, at rounding level
+        diff("weight", f64([1.0, 2.0]), f64([1.0, 2.0 + 1e-9])),  # max_rel 5e-10
+        diff("nan", f64([1.0, 1.0]), f64([1.0, float("nan")])),
+    ]
+    assert [d.name for d in over_bound(diffs, 1e-12)] == ["key.bias", "weight", "nan"]
+    assert [d.name for d in over_bound(diffs, 1e-12, at_rounding=1e-15)] == ["weight", "nan"]
+    assert [d.name for d in over_bound(diffs, 1e-9, at_rounding=1e-15)] == ["nan"]
+    lines = report(diffs, at_rounding=1e-15).splitlines()
+    assert lines[0] == "  key.bias: max_abs 2e-16, max_rel 1 (at rounding level)" and "rounding" not in lines[1]
+    assert "rounding" not in report(diffs)  # no level given: nothing is marked
+
+
+class Weights:
+    """A finished run as fp64_bound reads it: its final weights (w, and a bias that holds only rounding)."""
+
+    def __init__(self, w: list[float], bias: float) -> None:
+        self.w, self.bias = w, bias
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {"w": torch.tensor(self.w, dtype=torch.float64), "bias": torch.tensor([self.bias], dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, None])  # the reference: 4 micro-batches, or reversed batches
+@pytest.mark.parametrize(
+    ("reference", "max_rel", "at_rounding"),
+    [
+        (2e-10, ROUNDING_FACTOR * 1e-10, ROUNDING_FACTOR * 2e-10),  # the model's rounding, above the fixed bound
+        (2e-14, 1e-12, ROUNDING_FACTOR * 2e-14),  # below it: the fixed bound
+        (2e-6, 1e-12, 0.0),  # not rounding (broken accumulation): not used
+        (0.5, 1e-12, 0.0),  # nor when the bias, as every tensor, would be within 4 x its max_abs
+    ],
+)
+def test_fp64_bound_is_a_factor_of_the_models_rounding_at_least_the_fixed_one(
+    micro_batch_size, reference, max_rel, at_rounding
+):
+    """1 device with 4 micro-batches (or reversed batches) vs without sets the bound: w moves from 2.0 by
+    `reference`; the bias, 1e-16 moved by 1e-16, holds only rounding and does not count. A reference above
+    ROUNDING_CEILING leaves the fixed bound."""
+    other = "1dev-acc4-fp64" if micro_batch_size else "1dev-reversed-fp64"
+    runs = {"1dev-fp64": Weights([2.0, 0.5], 1e-16), other: Weights([2.0 + reference, 0.5], 2e-16)}
+    bound = fp64_bound(runs, {"micro_batch_size": micro_batch_size})
+    assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
+    assert bound.at_rounding == pytest.approx(at_rounding, rel=1e-6)
+    assert BOUNDS["cpu", "64-true"] == 1e-12 and ROUNDING_CEILING < 2e-6
+
+
+def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path, capsys):
+    """`python -m ddpkit.parity A B --abs-tol X` leaves out tensors whose max_abs is at most X, and says which."""
+    for run, bias in (("a", 1e-16), ("b", 3e-16)):  # a bias that holds only rounding: max_rel 2, max_abs 2e-16
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        weights = {
+            "w": torch.tensor([1.0, 2.0], dtype=torch.float64),
+            "bias": torch.tensor([bias], dtype=torch.float64),
+        }
+        torch.save({"state_dict": weights}, tmp_path / run / "checkpoints" / "last.ckpt")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert compare_main([a, b, "--rel-tol", "1e-12"]) == 1
+    assert compare_main([a, b, "--rel-tol", "1e-12", "--abs-tol", "1e-15"]) == 0
+    out = capsys.readouterr().out
+    assert "bias: max_abs 2e-16, max_rel 2 (at rounding level)" in out and "PASS: worst max_rel 0 " in out

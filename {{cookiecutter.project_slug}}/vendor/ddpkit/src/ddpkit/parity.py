@@ -10,7 +10,9 @@ the same with your own runs from the command line:
 Each weight tensor (and each logged tag, over its steps) gets
     max_abs = max |a - b|
     max_rel = max |a - b| / max |a|
-max_rel is relative to the tensor's scale, so entries near zero do not inflate it.
+max_rel is relative to the tensor's scale, so entries near zero do not inflate it. A tensor whose
+max_abs is no more than rounding moves any weight (`--abs-tol`) is at rounding level: a tensor that gets no
+gradient (a key projection's bias) holds only rounding, and its max_rel means nothing.
 """
 
 import argparse
@@ -124,9 +126,16 @@ def scalar_diffs(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[i
     return worst_first(diffs)
 
 
-def report(diffs: list[Diff], limit: int = 5) -> str:
-    """The `limit` worst differences, one a line, for an assertion message."""
-    lines = [f"  {d}" for d in diffs[:limit]]
+def over_bound(diffs: list[Diff], max_rel: float, at_rounding: float = 0.0) -> list[Diff]:
+    """The diffs above `max_rel`, less those at rounding level (max_abs at most `at_rounding`); NaN always fails."""
+    return [d for d in diffs if not d.max_rel <= max_rel and not d.max_abs <= at_rounding]
+
+
+def report(diffs: list[Diff], limit: int = 5, at_rounding: float = 0.0) -> str:
+    """The `limit` worst differences, one a line, for an assertion message; those at rounding level (max_abs at
+    most `at_rounding`) are marked, as they pass whatever their max_rel."""
+    lines = [f"  {d}{' (at rounding level)' if 0 < at_rounding and d.max_abs <= at_rounding else ''}" for d in diffs]
+    lines = lines[:limit]
     if len(diffs) > limit:
         lines.append(f"  ... and {len(diffs) - limit} more")
     return "\n".join(lines)
@@ -140,16 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rel-tol", type=float, default=2e-4, help="fail above this max_rel (float32 default; float64: 1e-12)"
     )
+    parser.add_argument(
+        "--abs-tol", type=float, default=0.0, help="tensors with max_abs at most this are at rounding level: they pass"
+    )
     args = parser.parse_args(argv)
     weights = weight_diffs(load_weights(args.a / args.checkpoint), load_weights(args.b / args.checkpoint))
     scalars = scalar_diffs(read_scalars(args.a), read_scalars(args.b))
-    print(f"weights, worst of {len(weights)} tensors:\n{report(weights)}")
+    print(f"weights, worst of {len(weights)} tensors:\n{report(weights, at_rounding=args.abs_tol)}")
     print(f"logged scalars, worst of {len(scalars)} tags:\n{report(scalars)}")
     csv_a, csv_b = read_csv_scalars(args.a), read_csv_scalars(args.b)
     if csv_a or csv_b:  # a run with a CSVLogger: its full-precision values too
         scalars += (csv_scalars := scalar_diffs(csv_a, csv_b))
         print(f"metrics.csv, worst of {len(csv_scalars)} columns:\n{report(csv_scalars)}")
-    worst = worst_first(weights + scalars)[0].max_rel if weights + scalars else 0.0
+    judged = [d for d in weights if not d.max_abs <= args.abs_tol] + scalars  # at rounding level: not judged
+    worst = worst_first(judged)[0].max_rel if judged else 0.0
     ok = worst <= args.rel_tol  # False for NaN
     print(f"{'PASS' if ok else 'FAIL'}: worst max_rel {worst:.3g} vs --rel-tol {args.rel_tol:g}")
     return 0 if ok else 1

@@ -6,16 +6,22 @@ processes over gloo; the CUDA/NCCL variants at the end run only where 2 GPUs are
 
 Dropout: the probe sets every `nn.Dropout` rate to 0 for these runs (random masks differ between
 1 and 2 devices by design; that is not a DDP bug).
+
+float64 weights are judged against the model's own rounding (`fp64_bound`): how far 1 device with 4
+micro-batches (or with every batch reversed, for BatchNorm) moves them from 1 device without, which is
+summation order alone. A tensor whose max_abs is within that rounding is at rounding level and passes
+whatever its max_rel (a key bias, or a bias before BatchNorm, gets no gradient: it holds only rounding).
 """
 
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from ..parity import main as compare_main
-from ..parity import read_csv_scalars, read_scalars, report, scalar_diffs, weight_diffs
+from ..parity import max_abs, over_bound, read_csv_scalars, read_scalars, report, scalar_diffs, weight_diffs
 from .plugin import GPU_PRECISIONS
 from .runs import Run, Waves, as_cuda, comparable, global_step
 
@@ -32,6 +38,69 @@ BOUNDS = {
     ("gpu", "64-true"): 1e-12,
     ("gpu", "32-true"): 1e-4,
 }
+# Summation order alone moves float64 weights by a model's own amount (long sums round more): 1 device with 4
+# micro-batches vs without gave max_rel up to 6.7e-11 for a 3.2M-parameter GroupNorm CNN (tests/library/families.py)
+# and 9e-12 for an 11M GroupNorm ResNet (issue 27), over the fixed bound. 1 vs 2 devices needed at most 0.96 x that
+# (GroupNorm CNN, transformer; seeds 0-2) and 1.95 x reversed batches, BatchNorm's reference (BatchNorm CNN, seeds
+# 0-6): 5 leaves 2.5x (docs/measurements.md, "Rounding references"; tests/library/measure_rounding.py).
+ROUNDING_FACTOR = 5.0
+# A reference above this is not rounding (broken accumulation; its own test fails) and is not used. Between the
+# largest measured, 1.4e-9 (a no-gradient bias before BatchNorm), and 1.7e-7 for a loss summed over the batch,
+# which accumulation scales (AdamW hides that: 1 vs 2 devices then differ by only 5.6e-8; tests/own_project.py).
+ROUNDING_CEILING = 1e-8
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A float64 weights bound: max_rel per tensor, except tensors whose max_abs is within `at_rounding`."""
+
+    max_rel: float
+    at_rounding: float = 0.0
+    why: str = "fixed"
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How far summation order alone moved the float64 weights: 1 device reordered (`rounding`) vs 1 device."""
+
+    max_rel: float  # the worst tensor's, of those holding more than rounding (NaN: some tensor is NaN)
+    max_abs: float  # the worst tensor's
+
+
+def rounding(cpu_runs: Waves, steps: dict) -> Rounding:
+    """The rounding reference of the configured model: its weights after 1 device with 4 micro-batches (or, for a
+    BatchNorm model or a data module without micro-batches, with every batch reversed) vs 1 device."""
+    other = "1dev-acc4-fp64" if steps["micro_batch_size"] else "1dev-reversed-fp64"
+    one, reordered = cpu_runs["1dev-fp64"].weights(), cpu_runs[other].weights()
+    level = ROUNDING_FACTOR * max_abs(one, reordered)
+    # A tensor whose every entry is within rounding (a bias that gets no gradient) has no meaningful max_rel; only
+    # where that rounding is small beside the model's weights (broken accumulation moves weights by far more).
+    scale = max((t.abs().max().item() for t in one.values() if t.is_floating_point() and t.numel()), default=0.0)
+    small = level <= ROUNDING_CEILING * scale
+
+    def only_rounding(name: str) -> bool:
+        return small and one[name].numel() > 0 and one[name].abs().max().item() <= level
+
+    held = [d for d in weight_diffs(one, reordered) if not only_rounding(d.name)]
+    return Rounding(held[0].max_rel if held else 0.0, level / ROUNDING_FACTOR)
+
+
+def fp64_bound(cpu_runs: Waves, steps: dict) -> Bound:
+    """The float64 weights bound for the configured model: ROUNDING_FACTOR x its rounding reference, at least the
+    fixed bound; tensors within ROUNDING_FACTOR x the reference's max_abs are at rounding level."""
+    fixed = BOUNDS["cpu", "64-true"]
+    ref = rounding(cpu_runs, steps)
+    how = "4 micro-batches" if steps["micro_batch_size"] else "every batch reversed"
+    if not ref.max_rel <= ROUNDING_CEILING:
+        return Bound(
+            fixed, why=f"fixed {fixed:g}: 1 device with {how} moved weights by {ref.max_rel:.3g}: not rounding"
+        )
+    level = ROUNDING_FACTOR * ref.max_abs
+    why = f"{ROUNDING_FACTOR:g} x rounding, at least {fixed:g}; rounding: 1 device with {how} vs without"
+    why += f" max_rel {ref.max_rel:.3g}, max_abs {ref.max_abs:.3g}; max_abs <= {level:.3g} is at rounding level"
+    return Bound(max(fixed, ROUNDING_FACTOR * ref.max_rel), level, why)
+
+
 # bf16-mixed: no fixed bound and no weights. Measured, 1 vs 2 CPU processes, 32 steps, seeds 0-4, the digits
 # MLP at 128x2 and 512x3: weights differ by 0.09-0.17 (128x2) and 0.51-0.57 (512x3) max_rel, as much as bf16
 # itself moves them from float32 (0.23-0.50, 0.60-0.70; each rank's partial gradient sum rounds to bf16 on its
@@ -47,9 +116,17 @@ METRIC_STATE_ROUNDING = 1e-6
 FLOAT32_STORAGE = 2.5e-7  # TensorBoard stores float32: two equal-up-to-1e-15 doubles may round 1 ulp apart
 
 
-def assert_weights_close(a: Run, b: Run, bound: float) -> None:
-    diffs = weight_diffs(a.weights(), b.weights())
-    assert diffs[0].max_rel <= bound, f"{b.root.name} vs {a.root.name}, bound {bound:g}:\n{report(diffs)}"
+def assert_weights_close(a: Run, b: Run, bound: float | Bound) -> None:
+    assert_within(a.weights(), b.weights(), bound, f"{b.root.name} vs {a.root.name}")
+
+
+def assert_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], bound: float | Bound, label: str) -> None:
+    """Weights `b` within `bound` of the reference `a`, else fail with the worst tensors and the bound's origin."""
+    bound = bound if isinstance(bound, Bound) else Bound(bound)
+    diffs = weight_diffs(a, b)
+    assert not over_bound(diffs, bound.max_rel, bound.at_rounding), (
+        f"{label}, bound {bound.max_rel:.3g} ({bound.why}):\n{report(diffs, at_rounding=bound.at_rounding)}"
+    )
 
 
 def assert_scalars_close(a: Run, b: Run, bound: float) -> None:
@@ -63,7 +140,7 @@ def test_weights_match_1_vs_2_devices(cpu_runs, steps, precision):
     comparable(steps)
     one, two = cpu_runs[f"1dev-{precision}"], cpu_runs[f"2dev-{precision}"]
     assert one.global_step() == two.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
-    assert_weights_close(one, two, BOUNDS["cpu", "64-true" if precision == "fp64" else "32-true"])
+    assert_weights_close(one, two, fp64_bound(cpu_runs, steps) if precision == "fp64" else BOUNDS["cpu", "32-true"])
 
 
 def test_both_ranks_end_bit_identical(cpu_runs):
@@ -234,7 +311,7 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     stepped = [global_step(steps, b) for b in range(steps[start] + 1, total + 1)]
     assert [r["step"] for r in resumed.probe()["train"]] == stepped
     comparable(steps)
-    assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
+    assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
 
 
 def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
@@ -246,14 +323,17 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     assert locations and set(locations) == {"cuda:0"}
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     comparable(steps)
-    assert_weights_close(cpu_runs["1dev-fp64"], resumed, BOUNDS["cpu", "64-true"])
+    assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
 
 
 @pytest.mark.parametrize("run", ["1dev-acc4-fp64", "2dev-acc2-fp64"])
 def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
-    """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights."""
+    """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights: the
+    first differs by rounding only (it is the float64 bounds' rounding reference), the second within the bound."""
     if steps["manual_optimization"]:
         pytest.skip("the module optimizes manually: Lightning does not accumulate for it (refused by the CLI)")
+    if steps["batchnorm"]:
+        pytest.skip("BatchNorm normalizes each micro-batch by its own statistics: accumulation changes the training")
     if not steps["micro_batch_size"]:
         pytest.skip("the configured data module takes no micro_batch_size, or its global batch is not a multiple of 4")
     comparable(steps)
@@ -261,7 +341,11 @@ def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
     assert accumulated.global_step() == 2 * steps["steps_per_epoch"]
     micro_batches = len(accumulated.probe()["batches"]["0"])  # forward passes of one rank in epoch 0
     assert micro_batches == (4 if run.startswith("1dev") else 2) * steps["steps_per_epoch"]
-    assert_weights_close(cpu_runs["1dev-fp64"], accumulated, BOUNDS["cpu", "64-true"])
+    if run.startswith("1dev"):  # the rounding reference: rounding only
+        diffs = report(weight_diffs(cpu_runs["1dev-fp64"].weights(), accumulated.weights()))
+        assert rounding(cpu_runs, steps).max_rel <= ROUNDING_CEILING, f"{run} vs 1dev-fp64, not rounding:\n{diffs}"
+    else:
+        assert_weights_close(cpu_runs["1dev-fp64"], accumulated, fp64_bound(cpu_runs, steps))
 
 
 def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs, steps):
@@ -269,8 +353,8 @@ def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs, steps):
     comparable(steps)
     torchrun = cpu_runs["torchrun-fp64"]
     assert [torchrun.probe(rank=r)["world_size"] for r in (0, 1)] == [2, 2]
-    assert_weights_close(cpu_runs["1dev-fp64"], torchrun, BOUNDS["cpu", "64-true"])
-    assert_weights_close(cpu_runs["2dev-fp64"], torchrun, BOUNDS["cpu", "64-true"])
+    assert_weights_close(cpu_runs["1dev-fp64"], torchrun, fp64_bound(cpu_runs, steps))
+    assert_weights_close(cpu_runs["2dev-fp64"], torchrun, fp64_bound(cpu_runs, steps))
     assert_scalars_close(cpu_runs["1dev-fp64"], torchrun, FLOAT32_STORAGE)
 
 
@@ -287,7 +371,7 @@ def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
         curve = [values[s] for s in sorted(values)]
         top = curve.index(max(curve))
         assert 0 < top < len(curve) - 1 and curve[0] < curve[top] and curve[-1] < curve[top]
-    assert_weights_close(one, two, BOUNDS["cpu", "64-true"])
+    assert_weights_close(one, two, fp64_bound(cpu_runs, steps))
 
 
 def test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices(cpu_runs, steps):

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..lightning_internals import BatchNormBase
 from .helpers import project, run_main
 
 
@@ -54,6 +55,8 @@ def _measure(args: list[str]) -> dict:
             for stage, hook in (("validate", "validation_step"), ("test", "test_step"), ("predict", "predict_step"))
             if getattr(type(model), hook) is not getattr(L.LightningModule, hook)
         ],
+        # Micro-batches change BatchNorm's statistics: no accumulation runs, no rounding reference from them.
+        "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
     }
     if info["global_batch_data"]:
         data.setup("fit")

@@ -59,6 +59,18 @@ class NoDropout(L.Callback):
                 module.p = 0.0
 
 
+class ReversedBatches(L.Callback):
+    """Reverses the order of the samples in every training batch: the same global batches, every sum over the
+    batch (loss, gradients, BatchNorm's statistics) added in another order. Summation order alone: the rounding
+    reference of a model that micro-batches would change (BatchNorm) or a data module that takes none."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        n = batch_len(batch)
+        for tensor in leaves(batch):
+            if tensor.ndim and len(tensor) == n:  # per-sample rows; in place: the step gets this very batch
+                tensor.copy_(tensor.flip(0))
+
+
 class Probe(NoDropout):
     """Records training samples per step, logged metrics and evaluation sample counts, per rank; no dropout.
 

@@ -3,11 +3,11 @@
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
 three waves; every run of a wave starts at once (each run is mostly start-up, which overlaps):
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
-   ones.
-2. 1 and 2 devices in float32 and in bf16-mixed, `torchrun`, gradient accumulation (1 device x 4
-   micro-batches, 2 devices x 2; not for a module that optimizes manually), two torchrun "nodes", sharded
-   training when the module shards, and, when the model takes one, 1 and 2 devices with a warmup + cosine
-   learning-rate schedule.
+   ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
+   reversed): summation order alone, the rounding the float64 bounds start from.
+2. 1 and 2 devices in float32 and in bf16-mixed, `torchrun`, gradient accumulation on 2 devices x 2
+   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
+   module shards, and, when the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
    the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
    module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
@@ -73,13 +73,14 @@ def plan(configured: dict) -> dict:
     """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1/4 into epoch 1 (with
     fewer than 4 steps per epoch the resume points fall on epoch ends), counted in global batches; accumulate
     with micro-batches of a quarter of the global batch when the data module takes a micro_batch_size that
-    divides it, and the module optimizes automatically (the CLI refuses micro-batches with manual
-    optimization). `steps_per_batch`: optimizer steps per global batch, which Lightning's global_step counts
-    (several for a module that steps several optimizers itself); `random_step`: why numbers cannot match
-    (configured.probe_training_step)."""
+    divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization) and
+    has no BatchNorm (micro-batches would change its statistics). `steps_per_batch`: optimizer steps per global
+    batch, which Lightning's global_step counts (several for a module that steps several optimizers itself);
+    `random_step`: why numbers cannot match (configured.probe_training_step)."""
     n, batch = configured["steps_per_epoch"], configured["global_batch_size"]
+    batchnorm = configured.get("batchnorm", False)
     accumulates = configured["takes_micro_batch_size"] and not configured.get("manual_optimization")
-    micro = batch // 4 if accumulates and batch % 4 == 0 else None
+    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm else None
     return {
         "steps_per_epoch": n,
         "two_to_one": max(1, 3 * n // 4),
@@ -91,6 +92,7 @@ def plan(configured: dict) -> dict:
         "steps_per_batch": configured.get("steps_per_batch", 1),
         "random_step": configured.get("random_step", ""),
         "stages": configured.get("stages", ["validate", "test", "predict"]),
+        "batchnorm": batchnorm,
     }
 
 
@@ -231,9 +233,15 @@ def shared_runs(base: Path, steps: dict) -> Waves:
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     first = {n: run(n, main_cmd(*fit(steps, "cpu", int(n[0]), "64-true", csv))) for n in ("1dev-fp64", "2dev-fp64")}
+    # Summation order alone, the rounding reference of the float64 bounds: 4 micro-batches, else reversed batches.
+    micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
+    if steps["micro_batch_size"]:
+        first["1dev-acc4-fp64"] = run("1dev-acc4-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)))
+    else:
+        reverse = "--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"
+        first["1dev-reversed-fp64"] = run("1dev-reversed-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", reverse)))
 
     def second(runs: Waves) -> dict:
-        micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
         jobs = {
             "1dev-fp32": run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true"))),
             "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true"))),
@@ -243,7 +251,6 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
-            jobs["1dev-acc4-fp64"] = run("1dev-acc4-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)))
             jobs["2dev-acc2-fp64"] = run("2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)))
         if steps["shards"]:
             jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
@@ -299,7 +306,6 @@ def shared_runs(base: Path, steps: dict) -> Waves:
                 "1dev-bf16",
                 "2dev-bf16",
                 "torchrun-nodes",
-                "1dev-acc4-fp64",
                 "2dev-acc2-fp64",
                 "sharded",
                 "1dev-lr-fp64",

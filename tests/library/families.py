@@ -1,0 +1,138 @@
+"""Models of the families users bring, written from scratch (no torchvision, no transformers), on the toy's data
+(ddpkit.toy: 64 features, 10 classes), for the guarantee suite's runs in test_model_families.py.
+
+Each is the toy classifier (its logging, metrics and AdamW) with another network: the 64 features are read as a
+1 x 8 x 8 image by the CNNs and as a sequence of 8 tokens of 8 features by the transformer.
+"""
+
+import torch
+import torch.nn.functional as F
+from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+
+class SmallToyData(ToyData):
+    """The toy's blobs with a validation set of `val_size` samples (odd: the 2 ranks' shares differ).
+
+    Args:
+        global_batch_size: Samples per optimizer step summed over all devices.
+        micro_batch_size: Samples per forward pass on one device (None: its whole share).
+        num_workers: DataLoader worker processes per device.
+        train_size: Training samples.
+        val_size: Validation samples.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int = 32,
+        micro_batch_size: int | None = None,
+        num_workers: int = 0,
+        train_size: int = 128,
+        val_size: int = 37,
+    ) -> None:
+        super().__init__(global_batch_size, micro_batch_size, num_workers, train_size)
+        self.val_size = val_size
+
+    def val_dataset(self) -> Dataset:
+        return blobs(self.val_size, seed=1)
+
+    def test_dataset(self) -> Dataset:
+        return blobs(self.val_size, seed=2)
+
+
+def conv_block(a: int, b: int, norm: nn.Module, stride: int = 1) -> list[nn.Module]:
+    return [nn.Conv2d(a, b, 3, stride=stride, padding=1, bias=False), norm, nn.ReLU()]
+
+
+class BatchNormCNN(ToyClassifier):
+    """Two conv blocks and a hidden layer, each normalized by BatchNorm (statistics of the batch on each device).
+
+    Args:
+        width: Channels of the conv blocks.
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, width: int = 16, lr: float = 3e-3) -> None:
+        super().__init__(lr=lr)
+        self.net = nn.Sequential(
+            *conv_block(1, width, nn.BatchNorm2d(width)),  # (B, w, 8, 8)
+            *conv_block(width, width, nn.BatchNorm2d(width), stride=2),  # (B, w, 4, 4)
+            nn.Flatten(), nn.Linear(16 * width, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, CLASSES),
+        )  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x.view(-1, 1, 8, 8))
+
+
+class GroupNormCNN(ToyClassifier):
+    """Conv blocks normalized by GroupNorm (no batch statistics) and a wide hidden layer: 3.4M parameters at the
+    default width, enough for summation order alone to move float64 weights by more than 1e-12.
+
+    Args:
+        width: Channels of the first block (the second has twice as many).
+        hidden: Width of the hidden layer.
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, width: int = 64, hidden: int = 1024, lr: float = 3e-3) -> None:
+        super().__init__(lr=lr)
+        self.net = nn.Sequential(
+            *conv_block(1, width, nn.GroupNorm(8, width)),  # (B, w, 8, 8)
+            *conv_block(width, 2 * width, nn.GroupNorm(8, 2 * width), stride=2),  # (B, 2w, 4, 4)
+            nn.Flatten(), nn.Linear(32 * width, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, CLASSES),
+        )  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x.view(-1, 1, 8, 8))
+
+
+class Block(nn.Module):
+    """Pre-norm self-attention and MLP. The key projection has a bias, as in BERT, GPT-2 and ViT: adding one
+    vector to every key adds the same number to each of a query's scores, which softmax ignores, so that bias
+    gets no gradient (only rounding)."""
+
+    def __init__(self, dim: int, heads: int, attn_dropout: float) -> None:
+        super().__init__()
+        self.heads, self.attn_dropout = heads, attn_dropout
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        for projection in (self.query, self.key, self.value, self.out):
+            nn.init.zeros_(projection.bias)  # as BERT and GPT-2 start them: the key bias stays 0 plus rounding
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.norm1(x)
+        heads = (proj(h).view(b, t, self.heads, d // self.heads) for proj in (self.query, self.key, self.value))
+        q, k, v = (x.transpose(1, 2) for x in heads)  # (B, heads, T, head dim)
+        scores = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5  # (B, heads, T, T)
+        # Functional dropout on the attention weights, as Hugging Face's attention does: no nn.Dropout to find.
+        weights = F.dropout(scores.softmax(dim=-1), self.attn_dropout, training=self.training)
+        x = x + self.out((weights @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(ToyClassifier):
+    """Reads the 64 features as 8 tokens of 8, embeds them, runs `layers` attention blocks, classifies the mean.
+
+    Args:
+        dim: Embedding width.
+        heads: Attention heads.
+        layers: Attention blocks.
+        attn_dropout: Dropout rate of the attention weights (functional, in forward); 0 turns it off.
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2, attn_dropout: float = 0.1, lr: float = 3e-3):
+        super().__init__(lr=lr)
+        self.embed = nn.Linear(8, dim)
+        self.position = nn.Parameter(torch.randn(8, dim) * 0.02)
+        self.net = nn.Sequential(*(Block(dim, heads, attn_dropout) for _ in range(layers)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self.embed(x.view(-1, 8, 8)) + self.position  # (B, 8 tokens, dim)
+        return self.head(self.norm(self.net(tokens)).mean(dim=1))
