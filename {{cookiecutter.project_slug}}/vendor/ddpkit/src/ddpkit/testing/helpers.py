@@ -64,13 +64,17 @@ class ForkServer:
     """The client of forkserver.py: runs of main.py forked from one process that has imported it."""
 
     def __init__(self) -> None:
-        self.lock, self.server = threading.Lock(), None
+        self.lock, self.server, self.root = threading.Lock(), None, None
 
     def fork(self, args: list[str], cwd: Path, env: dict, log: Path, entry: str) -> int:
         """Start `python main.py *args` (forked); return its pid, which is also its process group."""
         with self.lock:
-            if self.server is None or self.server.poll() is not None:
-                server = [sys.executable, str(Path(__file__).with_name("forkserver.py")), str(project())]
+            if self.server is not None and self.root != project():  # imported another project's main.py
+                kill(self.server)
+                self.server.wait()
+            if self.server is None or self.server.poll() is not None or self.root != project():
+                self.root = project()
+                server = [sys.executable, str(Path(__file__).with_name("forkserver.py")), str(self.root)]
                 # One thread per process, as each run gets: torch reads it when the server imports it.
                 server_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
                 self.server = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
