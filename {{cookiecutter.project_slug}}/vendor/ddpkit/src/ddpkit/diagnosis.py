@@ -107,11 +107,6 @@ def summarize(rows: list[list[float]], context: dict) -> DoctorRecord:
         )
     step_ms = sum(r.step_ms for r in ranks) / len(ranks)
     own = sum(r.own_step_ms for r in ranks)  # summed over ranks
-    # The all-reduce itself: the least-waiting rank's, or less where each step's own least is known (the
-    # ranks take turns at arriving last; what the last rank of one step waited on another is jitter).
-    transfer = min(r.exposed_comm_ms for r in ranks)
-    if context.get("comm_step_min_ms") is not None:
-        transfer = min(transfer, context["comm_step_min_ms"])
     total = sum(r.samples_per_s for r in ranks)
     work = [r.own_work_ms for r in ranks]
     mem = [r.peak_mem_mb for r in ranks]
@@ -130,9 +125,8 @@ def summarize(rows: list[list[float]], context: dict) -> DoctorRecord:
         # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
         loader_wait_pct=100 * sum(r.data_ms - r.data_cpu_wait_ms for r in ranks) / own if own else 0.0,
         cpu_wait_pct=100 * sum(r.cpu_wait_ms for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        # The all-reduce without its threads' wait for a CPU (that is host-contention), of the whole step.
-        comm_transfer_ms=transfer,
-        comm_pct=100 * transfer / step_ms if step_ms else 0.0,
+        comm_transfer_ms=0.0,  # below, with the context's comm_step_min_ms
+        comm_pct=0.0,
         # The straggler's lead as a share of the step without the wait for a CPU: a loaded host stretches
         # the step, not the lead.
         straggler_spread=max(work) / min(work) if min(work) > 0 else 1.0,
@@ -141,6 +135,13 @@ def summarize(rows: list[list[float]], context: dict) -> DoctorRecord:
         oversubscribed="",
         ranks=ranks,
     )
+    # The all-reduce itself: the least-waiting rank's, or less where each step's own least is known (the
+    # ranks take turns at arriving last; what the last rank of one step waited on another is jitter).
+    transfer = min(r.exposed_comm_ms for r in ranks)
+    if record.comm_step_min_ms is not None:
+        transfer = min(transfer, record.comm_step_min_ms)
+    # The all-reduce without its threads' wait for a CPU (that is host-contention), of the whole step.
+    record.comm_transfer_ms, record.comm_pct = transfer, 100 * transfer / step_ms if step_ms else 0.0
     record.oversubscribed = oversubscription(record)
     return record
 
