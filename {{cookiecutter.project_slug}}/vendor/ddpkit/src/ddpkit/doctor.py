@@ -16,18 +16,20 @@ previous optimizer step to the end of the batch that stepped, and each part belo
   (progress bar, loggers, Lightning's per-step SIGTERM broadcast). Validation and checkpointing between
   epochs are outside the measurement.
 - peak memory: `torch.cuda.max_memory_allocated` on GPU, peak RSS of the process on CPU.
-- host contention: time the training thread was ready to run but waited for a CPU (Linux's
-  /proc/thread-self/schedstat run-queue delay), within the step and within each of its parts; and, on the
-  CPU, the time the process's other threads (gloo's, which carry the all-reduce) waited for a CPU while an
-  all-reduce was in flight. Other processes, more ranks x threads than cores, or loader workers competing
-  for the cores stretch every part of the step without that part being slow; this says how much, so that
-  e.g. a data wait that is really waiting for a CPU is not called data-bound, nor an all-reduce whose
-  threads had no core communication-bound. 0 where the kernel offers no schedstat.
+- cpu wait (the `cpu_wait_*` fields; too much of it is host-contention): time the training thread was ready to
+  run but waited for a CPU (Linux's /proc/thread-self/schedstat run-queue delay), within the step and within
+  each of its parts; and, on the CPU, the time the process's other threads (gloo's, which carry the all-
+  reduce) waited for a CPU while an all-reduce was in flight. Other processes, more ranks x threads than
+  cores, or loader workers competing for the cores stretch every part of the step without that part being
+  slow; this says how much, so that e.g. a data wait that is really waiting for a CPU is not called data-
+  bound, nor an all-reduce whose threads had no core communication-bound. 0 where the kernel offers no
+  schedstat.
 - garbage collection: time in Python's collector during the step (gc.callbacks).
 
-At the end of fit (and every `report_every_n_steps` steps when set) every rank contributes its numbers to
-one `all_gather`; rank 0 prints the report, writes `doctor.json` into the run's log directory (with a logger), and the
-loggers get the same numbers as `doctor/*` scalars. The verdict follows the thresholds of `Thresholds`.
+At the end of fit (and every `report_every_n_steps` steps when set) every rank contributes its numbers to one
+`all_gather`; rank 0 prints the report, writes `doctor.json` (a `record.DoctorRecord`) into the run's log
+directory (with a logger), and the loggers get the same numbers as `doctor/*` scalars. The verdict follows the
+thresholds of `Thresholds`.
 
 Cost: a few `perf_counter` calls and list appends per step, in Python floats; no `self.log`, no device sync
 per step. On CUDA only one step in `cuda_sample_every` is synchronised, to time its parts exactly.
