@@ -18,11 +18,11 @@ previous optimizer step to the end of the batch that stepped, and each part belo
 - peak memory: `torch.cuda.max_memory_allocated` on GPU, peak RSS of the process on CPU.
 - cpu wait (the `cpu_wait_*` fields; too much of it is host-contention): time the training thread was ready to
   run but waited for a CPU (Linux's /proc/thread-self/schedstat run-queue delay), within the step and within
-  each of its parts; and, on the CPU, the time the process's other threads (gloo's, which carry the all-
-  reduce) waited for a CPU while an all-reduce was in flight. Other processes, more ranks x threads than
+  each of its parts; and, on the CPU, the time the process's other threads (gloo's, which carry the
+  all-reduce) waited for a CPU while an all-reduce was in flight. Other processes, more ranks x threads than
   cores, or loader workers competing for the cores stretch every part of the step without that part being
-  slow; this says how much, so that e.g. a data wait that is really waiting for a CPU is not called data-
-  bound, nor an all-reduce whose threads had no core communication-bound. 0 where the kernel offers no
+  slow; this says how much, so that e.g. a data wait that is really waiting for a CPU is not called
+  data-bound, nor an all-reduce whose threads had no core communication-bound. 0 where the kernel offers no
   schedstat.
 - garbage collection: time in Python's collector during the step (gc.callbacks).
 
