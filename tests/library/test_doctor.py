@@ -11,6 +11,8 @@ import early
 import pytest
 from procs import ON_PATH, TESTS, concurrently, toy_ok
 
+from ddpkit.record import DoctorRecord, RankRecord
+
 # Every test here times runs (the doctor's verdicts rest on timings): they run first, alone (tests/conftest.py).
 pytestmark = pytest.mark.timing
 
@@ -35,11 +37,11 @@ FIT = (
 )
 
 
-def doctor_fit(root: Path, *args: str) -> tuple[dict | None, str]:
+def doctor_fit(root: Path, *args: str) -> tuple[DoctorRecord | None, str]:
     """Fit on 2 CPU processes; return the doctor's JSON summary (None if it wrote none) and the printed output."""
     out = toy_ok(*FIT, *args, "--trainer.default_root_dir", str(root), cwd=root, timeout=300)
     summaries = list(root.rglob("doctor.json"))
-    return (json.loads(summaries[0].read_text()) if summaries else None), out
+    return (DoctorRecord.from_dict(json.loads(summaries[0].read_text())) if summaries else None), out
 
 
 CAUSES = {
@@ -74,31 +76,31 @@ def causes(tmp_path_factory) -> dict[str, tuple[dict, str]]:
 def test_report_is_printed_once_with_a_row_per_rank(causes):
     """Rank 0 alone prints the report; it has one table row per rank and the verdict."""
     for name, (summary, _) in causes.items():  # for docs/measurements.md
-        print(name, summary and [round(r["peak_mem_mb"]) for r in summary["ranks"]])
+        print(name, summary and [round(r.peak_mem_mb) for r in summary.ranks])
     summary, out = causes["data-bound"]
     assert out.count("Scaling doctor: 2 x cpu, 17 steps") == 1  # 20 steps minus 3 warm-up
-    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert [r.rank for r in summary.ranks] == [0, 1]
     assert out.count("verdict: data-bound: ") == 1
 
 
 def test_sleepy_dataset_is_data_bound(causes):
     """Loading sleeps make the verdict data-bound, with most of each step waiting for data on both ranks."""
     summary, _ = causes["data-bound"]
-    assert summary["verdict"] == "data-bound"
+    assert summary.verdict == "data-bound"
     # The loader's share of the step without the wait for a CPU: on a loaded host the whole data wait has been
     # under 50% of the stretched step (docs/measurements.md, the scaling doctor).
-    assert summary["loader_wait_pct"] > 50 and all(r["data_ms"] >= 16 for r in summary["ranks"])
+    assert summary.loader_wait_pct > 50 and all(r.data_ms >= 16 for r in summary.ranks)
 
 
-def own_parts(rank: dict) -> dict[str, float]:
+def own_parts(rank: RankRecord) -> dict[str, float]:
     """A rank's parts of the step (ms), each without the time its threads waited for a CPU."""
-    other_wait = rank["contention_ms"] - rank["comm_contention_ms"] - rank["data_contention_ms"]
-    other_wait -= rank["busy_contention_ms"]
+    other_wait = rank.cpu_wait_ms - rank.comm_cpu_wait_ms - rank.data_cpu_wait_ms
+    other_wait -= rank.busy_cpu_wait_ms
     return {
-        "data": rank["data_ms"] - rank["data_contention_ms"],
-        "compute": rank["compute_ms"] - rank["busy_contention_ms"],
-        "comm": rank["comm_ms"] - rank["comm_contention_ms"],
-        "other": rank["other_ms"] - other_wait,
+        "data": rank.data_ms - rank.data_cpu_wait_ms,
+        "compute": rank.compute_ms - rank.busy_cpu_wait_ms,
+        "comm": rank.comm_ms - rank.comm_cpu_wait_ms,
+        "other": rank.other_ms - other_wait,
     }
 
 
@@ -107,35 +109,35 @@ def test_wide_model_with_tiny_batches_is_communication_bound(causes):
     rank's step, and its transfer is longer than that of every other case's 0.1 MB all-reduce under the same
     load (a busy host alone stretches every case's all-reduce, not this one's only)."""
     summary, _ = causes["comm-bound"]
-    assert summary["comm_measured"] and summary["grad_mb"] == pytest.approx(16.6, abs=0.1)
-    for rank in summary["ranks"]:
+    assert summary.comm_measured and summary.grad_mb == pytest.approx(16.6, abs=0.1)
+    for rank in summary.ranks:
         parts = own_parts(rank)
         assert parts["comm"] == max(parts.values()), parts
-        assert 0 < rank["comm_contention_ms"] < rank["comm_ms"]  # part of the span, measured
-    others = [causes[name][0]["comm_transfer_ms"] for name in ("data-bound", "memory", "straggler")]
-    assert summary["comm_transfer_ms"] > max(others), (summary["comm_transfer_ms"], others)
+        assert 0 < rank.comm_cpu_wait_ms < rank.comm_ms  # part of the span, measured
+    others = [causes[name][0].comm_transfer_ms for name in ("data-bound", "memory", "straggler")]
+    assert summary.comm_transfer_ms > max(others), (summary.comm_transfer_ms, others)
     # Accepted: host-contention instead. On 2 cores gloo's threads wait for a CPU longer than the transfer
     # takes (14 of 23 ms idle; docs/measurements.md), so the transfer stays under 30% of the stretched step.
-    causes = {f["cause"] for f in summary["findings"]}
-    assert causes & {"communication-bound", "host-contention"} and summary["data_wait_pct"] < 10
+    causes = {f["cause"] for f in summary.findings}
+    assert causes & {"communication-bound", "host-contention"} and summary.data_wait_pct < 10
 
 
 def test_extra_tensor_on_one_rank_is_memory_imbalance(causes):
     """Rank 1's peak RSS is ~400 MB above rank 0's, and the verdict says so first."""
     summary, _ = causes["memory"]
-    mem = [r["peak_mem_mb"] for r in summary["ranks"]]
-    assert summary["verdict"] == "memory-imbalance" and mem[1] - mem[0] > 350
-    assert summary["findings"][0]["fix"].startswith("rank 1 peaks at")
+    mem = [r.peak_mem_mb for r in summary.ranks]
+    assert summary.verdict == "memory-imbalance" and mem[1] - mem[0] > 350
+    assert summary.findings[0]["fix"].startswith("rank 1 peaks at")
 
 
 def test_sleeping_rank_is_a_straggler(causes):
     """Rank 1's own work is ~100 ms longer; rank 0 spends that time waiting in the all-reduce."""
     summary, _ = causes["straggler"]
-    fast, slow = summary["ranks"]
-    assert summary["verdict"] == "straggler" and summary["findings"][0]["fix"].startswith("rank 1 is a straggler")
+    fast, slow = summary.ranks
+    assert summary.verdict == "straggler" and summary.findings[0]["fix"].startswith("rank 1 is a straggler")
     # Own work without the wait for a CPU, which can differ between the ranks by tens of ms on a loaded host.
-    slow_own, fast_own = ((r["work_ms"] - r["data_contention_ms"] - r["busy_contention_ms"]) for r in (slow, fast))
-    assert slow_own - fast_own > 80 and fast["comm_ms"] - slow["comm_ms"] > 80
+    slow_own, fast_own = ((r.work_ms - r.data_cpu_wait_ms - r.busy_cpu_wait_ms) for r in (slow, fast))
+    assert slow_own - fast_own > 80 and fast.comm_ms - slow.comm_ms > 80
 
 
 def test_periodic_reports_cover_their_window(causes):
@@ -186,19 +188,19 @@ def test_sweep_gives_every_run_the_same_threads_per_process(sweep):
     cores = len(os.sched_getaffinity(0))
     assert json.loads((sweep / "scaling.json").read_text())["threads_per_process"] == max(1, cores // 2)
     for n in (1, 2):
-        summary = json.loads(next((sweep / f"devices_{n}").rglob("doctor.json")).read_text())
-        assert summary["cpu_threads_per_rank"] == max(1, cores // 2)
+        summary = DoctorRecord.from_dict(json.loads(next((sweep / f"devices_{n}").rglob("doctor.json")).read_text()))
+        assert summary.cpu_threads_per_rank == max(1, cores // 2)
 
 
 def test_healthy_run_has_no_finding_but_host_contention(sweep):
     """1,024 samples per device through a 1024-wide MLP: compute dominates and nothing is flagged but the
     time the ranks waited for a CPU, flagged exactly when it is above its threshold."""
-    summary = json.loads(next((sweep / "devices_2").rglob("doctor.json")).read_text())
-    causes = [f["cause"] for f in summary["findings"]]
+    summary = DoctorRecord.from_dict(json.loads(next((sweep / "devices_2").rglob("doctor.json")).read_text()))
+    causes = [f["cause"] for f in summary.findings]
     # Accepted: host-contention. Another process on a 2-core host makes the ranks wait for a CPU (the doctor
     # must say so); with that wait left out the run is healthy.
-    assert causes in ([], ["host-contention"]) and ("host-contention" in causes) == (summary["contention_pct"] >= 20)
-    assert summary["step_ms"] > 10 and summary["comm_pct"] < 30 and summary["data_wait_pct"] < 20
+    assert causes in ([], ["host-contention"]) and ("host-contention" in causes) == (summary.cpu_wait_pct >= 20)
+    assert summary.step_ms > 10 and summary.comm_pct < 30 and summary.data_wait_pct < 20
 
 
 def test_numbers_reach_the_logger(sweep):
@@ -208,6 +210,7 @@ def test_numbers_reach_the_logger(sweep):
     (events,) = (sweep / "devices_2").rglob("events.out.tfevents.*")
     tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"doctor/samples_per_s", "doctor/comm_pct", "doctor/rank1/peak_mem_mb"} <= set(tags)
+    assert {"doctor/cpu_wait_pct", "doctor/rank1/cpu_wait_ms"} <= set(tags)  # one name for the wait for a CPU
 
 
 def test_overhead_is_small():

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddpkit import scaling
 from ddpkit.doctor import ScalingDoctor
 from ddpkit.gap import PARTS, global_batch
+from ddpkit.record import DoctorRecord
 
 LOAD_MS, COMPUTE_MS = 10, 20  # slept per loader batch, per training_step: lower bounds whatever the host's load
 
@@ -61,7 +62,7 @@ class TwoOptimizers(L.LightningModule):
         return torch.optim.SGD(self.a.parameters(), lr=0.01), torch.optim.SGD(self.b.parameters(), lr=0.01)
 
 
-def doctor_summary(module: L.LightningModule, max_steps: int, **trainer_args) -> dict:
+def doctor_summary(module: L.LightningModule, max_steps: int, **trainer_args) -> DoctorRecord:
     """Fit in this process on one CPU device with the doctor (1 warm-up step); its summary."""
     doctor = ScalingDoctor(warmup_steps=1)
     trainer = L.Trainer(
@@ -83,18 +84,18 @@ def test_accumulated_micro_batches_make_one_step():
     """With 3 micro-batches per optimizer step, 4 steps are 4 doctor steps (3 after warm-up) of 12 samples, and
     each step's data wait and compute hold all 3 micro-batches' sleeps."""
     s = doctor_summary(Accumulating(), max_steps=4, accumulate_grad_batches=3)
-    (r,) = s["ranks"]
-    assert s["steps"] == 3 and s["micro_batches_per_step"] == 3 and s["micro_batch_size"] == 4
-    assert r["batch"] == 12 and global_batch(s) == 12
-    assert r["data_ms"] >= 3 * LOAD_MS and r["compute_ms"] >= 3 * COMPUTE_MS
-    assert r["step_ms"] >= r["data_ms"] + r["compute_ms"]
+    (r,) = s.ranks
+    assert s.steps == 3 and s.micro_batches_per_step == 3 and s.micro_batch_size == 4
+    assert r.batch == 12 and global_batch(s) == 12
+    assert r.data_ms >= 3 * LOAD_MS and r.compute_ms >= 3 * COMPUTE_MS
+    assert r.step_ms >= r.data_ms + r.compute_ms
 
 
 def test_a_step_over_two_optimizers_is_one_step():
     """A manual-optimization step that steps two optimizers (global_step + 2) after 2 batches is one doctor step of
     2 micro-batches: max_steps 8 is 4 steps, 3 after warm-up."""
     s = doctor_summary(TwoOptimizers(), max_steps=8)
-    assert s["steps"] == 3 and s["micro_batches_per_step"] == 2 and s["ranks"][0]["batch"] == 8
+    assert s.steps == 3 and s.micro_batches_per_step == 2 and s.ranks[0].batch == 8
 
 
 # The toy on CPU, 6 optimizer steps (3 warm-up + 3 counted) of 64 samples in micro-batches of 16.
@@ -106,17 +107,17 @@ FIT = (
 
 
 @pytest.fixture(scope="module")
-def micro_batched(tmp_path_factory) -> dict[int, tuple[Path, dict, str]]:
+def micro_batched(tmp_path_factory) -> dict[int, tuple[Path, DoctorRecord, str]]:
     """The toy on 1 device (4 micro-batches per step) and 2 (2 each), at once: per device count, the run's
     folder, its doctor.json and its output."""
     base = tmp_path_factory.mktemp("micro")
 
-    def fit(devices: int) -> tuple[Path, dict, str]:
+    def fit(devices: int) -> tuple[Path, DoctorRecord, str]:
         root = base / f"devices_{devices}"
         root.mkdir()
         out = toy_ok(*FIT, "--trainer.devices", str(devices), "--trainer.default_root_dir", str(root), cwd=root)
         (summary,) = root.rglob("doctor.json")
-        return root, json.loads(summary.read_text()), out
+        return root, DoctorRecord.from_dict(json.loads(summary.read_text())), out
 
     return concurrently(fit, [1, 2])
 
@@ -126,8 +127,8 @@ def test_micro_batched_runs_count_optimizer_steps(micro_batched):
     header says how many micro-batches of what size make a step."""
     for devices, micro in ((1, 4), (2, 2)):
         _, s, out = micro_batched[devices]
-        assert s["steps"] == 3 and global_batch(s) == 64
-        assert s["micro_batches_per_step"] == micro and s["micro_batch_size"] == 16
+        assert s.steps == 3 and global_batch(s) == 64
+        assert s.micro_batches_per_step == micro and s.micro_batch_size == 16
         assert f"Scaling doctor: {devices} x cpu, 3 steps, {micro} micro-batch(es) of 16 samples per step" in out
 
 
@@ -145,9 +146,9 @@ def test_explain_compares_micro_batched_runs(micro_batched, capsys):
 
 def test_explain_refuses_a_summary_of_another_schema(micro_batched, tmp_path):
     """A doctor.json of the unversioned format (a step was a loader batch) is refused with one line, not compared."""
-    one, two = (micro_batched[n][1] for n in (1, 2))
+    one, two = (micro_batched[n][1].to_dict() for n in (1, 2))
     old = {k: v for k, v in one.items() if k != "schema"}
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(two))
-    with pytest.raises(SystemExit, match=r"old.json has schema 1, this ddpkit reads schema 2: fit that run again"):
+    with pytest.raises(SystemExit, match=r"old.json has schema 1, this ddpkit reads schema 3: fit that run again"):
         scaling.main(["--explain", str(tmp_path / "old.json"), str(tmp_path / "new.json")])

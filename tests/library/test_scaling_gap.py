@@ -22,9 +22,10 @@ from ddpkit.gap import (
     EFFICIENCY_LINE,
     components,
     explain,
-    measured_without_contention,
+    measured_without_cpu_wait,
     predict,
 )
+from ddpkit.record import DoctorRecord
 from ddpkit.toy import ToyData
 
 pytestmark = pytest.mark.timing  # they run first, alone (tests/conftest.py)
@@ -72,7 +73,7 @@ CAUSES = {
     "slow data": ("data-1", "data-2", "data"),
     "large gradient": ("grad-1", "grad-2", "comm"),
     "straggler": ("clean-1", "straggler-2", "straggler"),
-    "oversubscription": ("oversub-1", "oversub-2", "contention"),
+    "oversubscription": ("oversub-1", "oversub-2", "cpu_wait"),
     "small per-device batch": ("clean-1", "clean-4", "compute"),
 }
 # How far the predicted speed-up may be from the measured one without the ranks' wait for a CPU (relative):
@@ -87,7 +88,7 @@ def pin_to_one_core() -> None:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
-def run_cases(base: Path, cases: dict, timeout: float = 900) -> dict[str, dict]:
+def run_cases(base: Path, cases: dict, timeout: float = 900) -> dict[str, DoctorRecord]:
     """Start every case at once (start-up overlaps), let them train one at a time (sleepy.TURNS); return
     each case's doctor summary. A case that fails ends them all at once: the others would wait for its turn."""
     turns = base / "turns"
@@ -125,14 +126,21 @@ def run_cases(base: Path, cases: dict, timeout: float = 900) -> dict[str, dict]:
         for proc in procs.values():
             kill(proc)
             proc.wait()
-    summaries = {name: json.loads(next((base / name).rglob("doctor.json")).read_text()) for name in cases}
-    return {name: {**s, "dir": str(base / name)} for name, s in summaries.items()}
+    return {
+        name: DoctorRecord.from_dict(json.loads(next((base / name).rglob("doctor.json")).read_text())) for name in cases
+    }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
+def gap_dir(tmp_path_factory) -> Path:
+    """The cases' run directories, one per case name."""
+    return tmp_path_factory.mktemp("gap")
+
+
+@pytest.fixture(scope="module")
+def runs(gap_dir) -> dict[str, DoctorRecord]:
     early.quiet()  # timings: nothing else of ours on the cores
-    return run_cases(tmp_path_factory.mktemp("gap"), CASES)
+    return run_cases(gap_dir, CASES)
 
 
 def gap(runs: dict, base: str, run: str) -> dict:
@@ -141,9 +149,9 @@ def gap(runs: dict, base: str, run: str) -> dict:
     return e
 
 
-def comm_wait_ms(run: dict) -> float:
+def comm_wait_ms(run: DoctorRecord) -> float:
     """The ranks' mean wait for a CPU in their all-reduce's threads (ms per step)."""
-    return sum(r.get("comm_contention_ms", 0.0) for r in run["ranks"]) / len(run["ranks"])
+    return sum(r.comm_cpu_wait_ms for r in run.ranks) / len(run.ranks)
 
 
 @pytest.mark.parametrize("cause", CAUSES)
@@ -159,9 +167,9 @@ def test_injected_cause_is_the_largest_part_of_the_gap(runs, cause):
         assert e["largest"] == part
     else:
         parts = e["parts_ms"]
-        assert e["largest"] == "contention" and parts["comm"] == max(v for k, v in parts.items() if k != "contention")
-        n0, n = runs[base]["world_size"], runs[run]["world_size"]
-        assert comm_wait_ms(runs[run]) - comm_wait_ms(runs[base]) * n0 / n >= 0.5 * parts["contention"]
+        assert e["largest"] == "cpu_wait" and parts["comm"] == max(v for k, v in parts.items() if k != "cpu_wait")
+        n0, n = runs[base].world_size, runs[run].world_size
+        assert comm_wait_ms(runs[run]) - comm_wait_ms(runs[base]) * n0 / n >= 0.5 * parts["cpu_wait"]
 
 
 @pytest.mark.parametrize("pair", [*[c[:2] for c in CAUSES.values()], ("clean-1", "clean-2"), ("clean-1", "clean-8")])
@@ -180,8 +188,8 @@ def test_oversubscription_is_named(runs):
     """2 ranks on 1 core are oversubscribed, and the verdict's fix says why; 2 sleeping ranks on 2 are not."""
     e = gap(runs, "oversub-1", "oversub-2")
     assert e["oversubscribed"] == "2 rank(s) x (1 thread(s)) > 1 CPU core(s)" and e["oversubscribed"] in e["fix"]
-    cores = runs["clean-2"]["cpu_cores_visible"]
-    assert (runs["clean-2"]["oversubscribed"] == "") == (cores >= 2)
+    cores = runs["clean-2"].cpu_cores_visible
+    assert (runs["clean-2"].oversubscribed == "") == (cores >= 2)
 
 
 def test_prediction_from_1_and_2_devices(runs):
@@ -189,14 +197,14 @@ def test_prediction_from_1_and_2_devices(runs):
     measured one (without the ranks' wait for a CPU, which the prediction assumes away)."""
     for n in (4, 8):
         predicted = predict(runs["clean-1"], runs["clean-2"], n)["speedup"]
-        measured = measured_without_contention(runs["clean-1"], runs[f"clean-{n}"])
+        measured = measured_without_cpu_wait(runs["clean-1"], runs[f"clean-{n}"])
         print(f"{n} devices: predicted {predicted:.2f}, measured {measured:.2f}")
         assert abs(predicted / measured - 1) <= TOLERANCE[n]
 
 
-def test_explain_command(runs, tmp_path):
+def test_explain_command(runs, gap_dir, tmp_path):
     """`python -m ddpkit.scaling --explain RUN_1 RUN_N` on two run directories prints the parts and the verdict."""
-    cmd = [sys.executable, "-m", "ddpkit.scaling", "--explain", runs["clean-1"]["dir"], runs["straggler-2"]["dir"]]
+    cmd = [sys.executable, "-m", "ddpkit.scaling", "--explain", str(gap_dir / "clean-1"), str(gap_dir / "straggler-2")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "2 device(s) against 1: " in out.stdout and "verdict: straggler: the ranks waited" in out.stdout
@@ -213,14 +221,14 @@ COMM_CHECKED = ("grad-2", "clean-2", "straggler-2", "toy-2")
 def allreduce_alone(runs) -> dict[float, float]:
     """ms of each checked run's gradient all-reduced alone (2 gloo processes, no training), one launch for all
     sizes; after the runs, which it would otherwise slow."""
-    return allreduce_ms(sorted({runs[name]["grad_mb"] for name in COMM_CHECKED}))
+    return allreduce_ms(sorted({runs[name].grad_mb for name in COMM_CHECKED}))
 
 
 @pytest.mark.parametrize("name", COMM_CHECKED)
 def test_comm_part_matches_the_allreduce_alone(runs, allreduce_alone, name):
     """The all-reduce part of the step (as the gap counts it: the last rank's, without its threads' wait for a
     CPU) is an all-reduce of the run's gradient size timed alone, within alone.TOLERANCE."""
-    mb, in_step = runs[name]["grad_mb"], components(runs[name])["comm"]
+    mb, in_step = runs[name].grad_mb, components(runs[name])["comm"]
     alone = allreduce_alone[mb]
     print(f"{name}, {mb:.3g} MB: in the step {in_step:.2f} ms, alone {alone:.2f} ms")
     assert abs(in_step - alone) <= ALONE["comm"](alone) + (PEER_WAKE_UP_MS if name == "straggler-2" else 0.0)
@@ -264,7 +272,7 @@ def test_data_part_matches_the_loader_alone(runs, name):
     iterated alone, without training, within alone.TOLERANCE: a slow loader (120 ms per batch) and in-memory ones."""
     make, devices, batches = DATA_CHECKED[name]
     alone = loader_alone_ms(make(), devices, batches)
-    for rank in runs[name]["ranks"]:
-        in_step = rank["data_ms"] - rank.get("data_contention_ms", 0.0)
-        print(f"{name} rank {rank['rank']}: data in the step {in_step:.2f} ms, loader alone {alone:.2f} ms")
+    for rank in runs[name].ranks:
+        in_step = rank.data_ms - rank.data_cpu_wait_ms
+        print(f"{name} rank {rank.rank}: data in the step {in_step:.2f} ms, loader alone {alone:.2f} ms")
         assert abs(in_step - alone) <= ALONE["data"](alone)

@@ -15,6 +15,7 @@ import yaml
 import ddpkit
 from ddpkit import toy
 from ddpkit.cli import check_checkpoint
+from ddpkit.record import DoctorRecord
 
 HERE = Path(__file__).resolve().parent
 VERSION = ddpkit.__version__
@@ -67,7 +68,7 @@ def test_package_version_is_the_modules():
 def test_doctor_report_names_the_version(run):
     """doctor.json holds the version and the printed report's first line ends with it."""
     run_dir, out = run
-    assert json.loads((run_dir / "doctor.json").read_text())["ddpkit_version"] == VERSION
+    assert DoctorRecord.from_dict(json.loads((run_dir / "doctor.json").read_text())).ddpkit_version == VERSION
     heads = [line for line in out.splitlines() if line.startswith("Scaling doctor: 1 x cpu, 5 steps")]
     assert len(heads) == 1 and heads[0].endswith(f" (ddpkit {VERSION})"), out[-2000:]
 

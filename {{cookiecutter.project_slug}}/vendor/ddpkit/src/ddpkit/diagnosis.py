@@ -5,9 +5,7 @@ Pure functions of numbers; the callback that measures them is `doctor.py`.
 
 from dataclasses import dataclass
 
-# The summary's format (doctor.json's "schema"), raised whenever a number changes meaning: runs compare only
-# within one. 2: a step is an optimizer step (before, unversioned: a loader batch), micro-batches recorded.
-SCHEMA = 2
+from .record import DoctorRecord, RankRecord
 
 # Per-rank numbers, gathered as one float64 row per rank, in this order.
 FIELDS = (
@@ -19,11 +17,11 @@ FIELDS = (
     "busy_s",
     "comm_s",
     "step_s",
-    "contention_s",  # run-queue wait of the training thread in the step, in its data wait, in its busy part
-    "data_contention_s",
-    "busy_contention_s",
+    "cpu_wait_s",  # run-queue wait of the training thread in the step, in its data wait, in its busy part
+    "data_cpu_wait_s",
+    "busy_cpu_wait_s",
     "gc_s",
-    "comm_contention_s",  # run-queue wait of the other threads (gloo's on CPUs) while an all-reduce was in flight
+    "comm_cpu_wait_s",  # run-queue wait of the other threads (gloo's on CPUs) while an all-reduce was in flight
     "micro_batches",  # loader batches (forward passes) in the steps: more than steps with gradient accumulation
     "node_rank",  # which machine (ranks on two nodes may both use their cuda:0)
     "device_index",  # -1 on the CPU
@@ -49,7 +47,7 @@ class Thresholds:
             least time of any rank in it (the last to arrive sees the transfer, not the others' lateness),
             without its threads' wait for a CPU.
         memory_imbalance: Flag when the largest per-rank peak memory is this many times the smallest.
-        contention_share: Flag host contention when the training threads and the all-reduce's threads wait
+        cpu_wait_share: Flag host contention when the training threads and the all-reduce's threads wait
             this share of each step for a CPU (ready to run, but every core busy: other processes, ranks x
             threads > cores, or on CPUs gloo's threads with no core of their own).
     """
@@ -59,7 +57,7 @@ class Thresholds:
     data_wait_share: float = 0.2
     comm_share: float = 0.3
     memory_imbalance: float = 1.3
-    contention_share: float = 0.2
+    cpu_wait_share: float = 0.2
 
 
 def covered_seconds(spans: list[tuple[float, float]]) -> float:
@@ -72,179 +70,159 @@ def covered_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def own_work(rank: dict) -> float:
-    """A rank's own work without its waits for a CPU (ms); summaries written before that field: its work."""
-    return rank.get("own_work_ms", rank["work_ms"])
-
-
-def exposed_comm(rank: dict) -> float:
-    """A rank's all-reduce time without the time its threads waited for a CPU (ms)."""
-    return rank["comm_ms"] - rank.get("comm_contention_ms", 0.0)
-
-
-def own_step(rank: dict) -> float:
-    """A rank's step without the time its training thread waited for a CPU (ms)."""
-    return rank["step_ms"] - rank["contention_ms"]
-
-
-def summarize(rows: list[list[float]], context: dict) -> dict:
-    """Turn the gathered per-rank rows (FIELDS) into the report's numbers, per rank and overall."""
+def summarize(rows: list[list[float]], context: dict) -> DoctorRecord:
+    """Turn the gathered per-rank rows (FIELDS) into the report's numbers, per rank and overall; `context`
+    holds the record's context fields (doctor.py's `_context`)."""
     ranks = []
     for rank, row in enumerate(rows):
         r = dict(zip(FIELDS, row, strict=True))
         timed = max(r["timed_steps"], 1.0)
         step_ms = 1000 * r["step_s"] / timed
         data_ms, busy_ms, comm_ms = (1000 * r[k] / timed for k in ("data_s", "busy_s", "comm_s"))
-        waits = (1000 * r.get(k, 0.0) / timed for k in ("contention_s", "data_contention_s", "busy_contention_s"))
-        contention_ms, data_contention_ms, busy_contention_ms = waits
-        comm_contention_ms = 1000 * r.get("comm_contention_s", 0.0) / timed
+        waits = (1000 * r[k] / timed for k in ("cpu_wait_s", "data_cpu_wait_s", "busy_cpu_wait_s", "comm_cpu_wait_s"))
+        cpu_wait_ms, data_cpu_wait_ms, busy_cpu_wait_ms, comm_cpu_wait_ms = waits
         ranks.append(
-            {
-                "rank": rank,
-                "samples_per_s": r["samples"] / r["wall_s"] if r["wall_s"] else 0.0,
-                "batch": r["samples"] / r["steps"] if r["steps"] else 0.0,  # samples per optimizer step
-                "micro_batches_per_step": r["micro_batches"] / r["steps"] if r["steps"] else 0.0,
-                "micro_batch_size": r["samples"] / r["micro_batches"] if r["micro_batches"] else 0.0,
-                "step_ms": step_ms,
-                "data_ms": data_ms,
-                "compute_ms": busy_ms - comm_ms,
-                "comm_ms": comm_ms,  # the span the all-reduce was in flight, its threads' wait for a CPU included
-                "other_ms": step_ms - data_ms - busy_ms,
-                "work_ms": data_ms + busy_ms - comm_ms,  # the rank's own work; comm includes waiting for others
-                # Without its waits for a CPU, which are the host's (host-contention), not a slower rank: the
-                # straggler verdict reads this, so a loaded host is not called a straggler; the gap (gap.py)
-                # takes the waits out part by part itself.
-                "own_work_ms": data_ms + busy_ms - comm_ms - data_contention_ms - busy_contention_ms,
-                # Run-queue waits: the training thread was ready but had no CPU (in the step / data / busy part),
-                # and the all-reduce's threads while it was in flight; "contention_ms" holds both.
-                "contention_ms": contention_ms + comm_contention_ms,
-                "data_contention_ms": data_contention_ms,
-                "busy_contention_ms": busy_contention_ms,
-                "comm_contention_ms": comm_contention_ms,
-                "gc_ms": 1000 * r.get("gc_s", 0.0) / timed,
-                "node_rank": int(r.get("node_rank", 0)),
-                "device_index": int(r.get("device_index", -1)),
-                "peak_mem_mb": r["peak_mem_bytes"] / 2**20,
-            }
+            RankRecord(
+                rank=rank,
+                samples_per_s=r["samples"] / r["wall_s"] if r["wall_s"] else 0.0,
+                batch=r["samples"] / r["steps"] if r["steps"] else 0.0,
+                micro_batches_per_step=r["micro_batches"] / r["steps"] if r["steps"] else 0.0,
+                micro_batch_size=r["samples"] / r["micro_batches"] if r["micro_batches"] else 0.0,
+                step_ms=step_ms,
+                data_ms=data_ms,
+                compute_ms=busy_ms - comm_ms,
+                comm_ms=comm_ms,
+                other_ms=step_ms - data_ms - busy_ms,
+                work_ms=data_ms + busy_ms - comm_ms,
+                own_work_ms=data_ms + busy_ms - comm_ms - data_cpu_wait_ms - busy_cpu_wait_ms,
+                cpu_wait_ms=cpu_wait_ms + comm_cpu_wait_ms,
+                data_cpu_wait_ms=data_cpu_wait_ms,
+                busy_cpu_wait_ms=busy_cpu_wait_ms,
+                comm_cpu_wait_ms=comm_cpu_wait_ms,
+                gc_ms=1000 * r["gc_s"] / timed,
+                node_rank=int(r["node_rank"]),
+                device_index=int(r["device_index"]),
+                peak_mem_mb=r["peak_mem_bytes"] / 2**20,
+            )
         )
-    step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
-    own = sum(own_step(r) for r in ranks)  # summed over ranks
-    # The all-reduce itself: the least-waiting rank's, or less where each step's own least is known (the
-    # ranks take turns at arriving last; what the last rank of one step waited on another is jitter).
-    transfer = min(exposed_comm(r) for r in ranks)
-    if context.get("comm_step_min_ms") is not None:
-        transfer = min(transfer, context["comm_step_min_ms"])
-    total = sum(r["samples_per_s"] for r in ranks)
-    work = [own_work(r) for r in ranks]
-    mem = [r["peak_mem_mb"] for r in ranks]
-    return {
-        "schema": SCHEMA,
+    step_ms = sum(r.step_ms for r in ranks) / len(ranks)
+    own = sum(r.own_step_ms for r in ranks)  # summed over ranks
+    total = sum(r.samples_per_s for r in ranks)
+    work = [r.own_work_ms for r in ranks]
+    mem = [r.peak_mem_mb for r in ranks]
+    record = DoctorRecord(
         **context,
-        "world_size": len(ranks),
-        "steps": int(min(row[0] for row in rows)),
-        "micro_batches_per_step": sum(r["micro_batches_per_step"] for r in ranks) / len(ranks),
-        "micro_batch_size": sum(r["micro_batch_size"] for r in ranks) / len(ranks),
-        "samples_per_s": total,
-        "samples_per_s_per_device": total / len(ranks),
-        "steps_per_s": 1000 / step_ms if step_ms else 0.0,
-        "step_ms": step_ms,
-        "data_wait_pct": 100 * sum(r["data_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
+        world_size=len(ranks),
+        steps=int(min(row[0] for row in rows)),
+        micro_batches_per_step=sum(r.micro_batches_per_step for r in ranks) / len(ranks),
+        micro_batch_size=sum(r.micro_batch_size for r in ranks) / len(ranks),
+        samples_per_s=total,
+        samples_per_s_per_device=total / len(ranks),
+        steps_per_s=1000 / step_ms if step_ms else 0.0,
+        step_ms=step_ms,
+        data_wait_pct=100 * sum(r.data_ms for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
         # The data wait without its run-queue part (what the loader itself costs), as a share of the step
         # without the wait for a CPU: a loaded host stretches the step, not the loader's share of it.
-        "loader_wait_pct": 100 * sum(r["data_ms"] - r["data_contention_ms"] for r in ranks) / own if own else 0.0,
-        "contention_pct": 100 * sum(r["contention_ms"] for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
-        # The all-reduce without its threads' wait for a CPU (that is host-contention), of the whole step.
-        "comm_transfer_ms": transfer,
-        "comm_pct": 100 * transfer / step_ms if step_ms else 0.0,
+        loader_wait_pct=100 * sum(r.data_ms - r.data_cpu_wait_ms for r in ranks) / own if own else 0.0,
+        cpu_wait_pct=100 * sum(r.cpu_wait_ms for r in ranks) / len(ranks) / step_ms if step_ms else 0.0,
+        comm_transfer_ms=0.0,  # below, with the context's comm_step_min_ms
+        comm_pct=0.0,
         # The straggler's lead as a share of the step without the wait for a CPU: a loaded host stretches
         # the step, not the lead.
-        "straggler_spread": max(work) / min(work) if min(work) > 0 else 1.0,
-        "straggler_wait_pct": 100 * (max(work) - min(work)) * len(ranks) / own if own else 0.0,
-        "memory_imbalance": max(mem) / min(mem) if min(mem) > 0 else 1.0,
-        "oversubscribed": oversubscription({**context, "world_size": len(ranks)}, ranks),
-        "ranks": ranks,
-    }
+        straggler_spread=max(work) / min(work) if min(work) > 0 else 1.0,
+        straggler_wait_pct=100 * (max(work) - min(work)) * len(ranks) / own if own else 0.0,
+        memory_imbalance=max(mem) / min(mem) if min(mem) > 0 else 1.0,
+        oversubscribed="",
+        ranks=ranks,
+    )
+    # The all-reduce itself: the least-waiting rank's, or less where each step's own least is known (the
+    # ranks take turns at arriving last; what the last rank of one step waited on another is jitter).
+    transfer = min(r.exposed_comm_ms for r in ranks)
+    if record.comm_step_min_ms is not None:
+        transfer = min(transfer, record.comm_step_min_ms)
+    # The all-reduce without its threads' wait for a CPU (that is host-contention), of the whole step.
+    record.comm_transfer_ms, record.comm_pct = transfer, 100 * transfer / step_ms if step_ms else 0.0
+    record.oversubscribed = oversubscription(record)
+    return record
 
 
-def oversubscription(context: dict, ranks: list[dict]) -> str:
+def oversubscription(s: DoctorRecord) -> str:
     """Why the ranks must share hardware, from the run's shape alone ('' when they need not): CPU ranks x
     threads (+ loader workers) beyond the visible cores, or two ranks on one GPU."""
-    if context.get("device") == "cpu":
-        threads, cores = context.get("cpu_threads_per_rank") or 1, context.get("cpu_cores_visible") or 0
-        workers = context.get("num_workers") or 0
-        busy = len(ranks) * (threads + workers)
+    if s.device == "cpu":
+        threads, cores, workers = s.cpu_threads_per_rank, s.cpu_cores_visible, s.num_workers or 0
+        busy = s.world_size * (threads + workers)
         if cores and busy > cores:
             extra = f" + {workers} loader worker(s)" if workers else ""
-            return f"{len(ranks)} rank(s) x ({threads} thread(s){extra}) > {cores} CPU core(s)"
-    devices = [(r.get("node_rank", 0), r["device_index"]) for r in ranks if r.get("device_index", -1) >= 0]
+            return f"{s.world_size} rank(s) x ({threads} thread(s){extra}) > {cores} CPU core(s)"
+    devices = [(r.node_rank, r.device_index) for r in s.ranks if r.device_index >= 0]
     shared = sorted({d for d in devices if devices.count(d) > 1})
     if shared:
         return "ranks share GPU(s) " + ", ".join(f"{i} on node {node}" if node else str(i) for node, i in shared)
     return ""
 
 
-def diagnose(s: dict, t: Thresholds) -> list[dict]:
+def diagnose(s: DoctorRecord, t: Thresholds) -> list[dict[str, str]]:
     """Findings with their fix, most fundamental first; an empty list means healthy. Host contention comes
     last: the parts before it are judged without the wait for a CPU, it is what is left."""
-    ranks = s["ranks"]
-    if not s["step_ms"]:
+    ranks = s.ranks
+    if not s.step_ms:
         return [{"cause": "unmeasured", "fix": "no step after the warm-up steps was timed → train for more steps"}]
     found = []
-    batch = round(ranks[0]["batch"])
-    if s["memory_imbalance"] >= t.memory_imbalance:
-        hi = max(ranks, key=lambda r: r["peak_mem_mb"])
-        lo = min(ranks, key=lambda r: r["peak_mem_mb"])
+    batch = round(ranks[0].batch)
+    if s.memory_imbalance >= t.memory_imbalance:
+        hi = max(ranks, key=lambda r: r.peak_mem_mb)
+        lo = min(ranks, key=lambda r: r.peak_mem_mb)
         found.append(
             {
                 "cause": "memory-imbalance",
-                "fix": f"rank {hi['rank']} peaks at {s['memory_imbalance']:.1f}x the memory of rank {lo['rank']} "
-                f"({hi['peak_mem_mb']:.0f} vs {lo['peak_mem_mb']:.0f} MB) → a tensor is pinned to one device or "
+                "fix": f"rank {hi.rank} peaks at {s.memory_imbalance:.1f}x the memory of rank {lo.rank} "
+                f"({hi.peak_mem_mb:.0f} vs {lo.peak_mem_mb:.0f} MB) → a tensor is pinned to one device or "
                 "kept on one rank only (rank-0-only state, torch.device('cuda') instead of the rank's own device)",
             }
         )
-    if s["step_ms"] < t.min_step_ms:
+    if s.step_ms < t.min_step_ms:
         found.append(
             {
                 "cause": "too-little-work",
-                "fix": f"steps take {s['step_ms']:.1f} ms (< {t.min_step_ms:g} ms): fixed per-step costs (Python, "
+                "fix": f"steps take {s.step_ms:.1f} ms (< {t.min_step_ms:g} ms): fixed per-step costs (Python, "
                 "kernel launches, all-reduce latency) outweigh the work, so more devices cannot speed this up "
                 f"→ use fewer devices for this global batch (each gets a larger share than {batch}), or more work "
                 "per sample (a larger model); the global batch stays as it is",
             }
         )
-    if s["straggler_wait_pct"] >= 100 * t.straggler_wait_share:
-        slow = max(ranks, key=own_work)
-        fast = min(ranks, key=own_work)
+    if s.straggler_wait_pct >= 100 * t.straggler_wait_share:
+        slow = max(ranks, key=lambda r: r.own_work_ms)
+        fast = min(ranks, key=lambda r: r.own_work_ms)
         found.append(
             {
                 "cause": "straggler",
-                "fix": f"rank {slow['rank']} is a straggler: its own work takes {s['straggler_spread']:.1f}x "
-                f"rank {fast['rank']}'s ({own_work(slow):.1f} vs {own_work(fast):.1f} ms per step), so the "
-                f"others wait {s['straggler_wait_pct']:.0f}% of each step for it → check that rank's data shard and "
+                "fix": f"rank {slow.rank} is a straggler: its own work takes {s.straggler_spread:.1f}x "
+                f"rank {fast.rank}'s ({slow.own_work_ms:.1f} vs {fast.own_work_ms:.1f} ms per step), so the "
+                f"others wait {s.straggler_wait_pct:.0f}% of each step for it → check that rank's data shard and "
                 "loader, its CPU cores (cores per rank), and other jobs or throttling on its device",
             }
         )
-    if s.get("loader_wait_pct", s["data_wait_pct"]) >= 100 * t.data_wait_share:
-        workers, pin = s.get("num_workers"), s.get("pin_memory")
+    if s.loader_wait_pct >= 100 * t.data_wait_share:
+        workers, pin = s.num_workers, s.pin_memory
         found.append(
             {
                 "cause": "data-bound",
-                "fix": f"{s.get('loader_wait_pct', s['data_wait_pct']):.0f}% of each step waits for the loader → raise "
+                "fix": f"{s.loader_wait_pct:.0f}% of each step waits for the loader → raise "
                 f"--data.num_workers (now {workers}), set pin_memory=True (now {pin}) and "
                 "persistent_workers=True, or make loading cheaper (decode/augment once, cache, faster disk)",
             }
         )
-    if s["comm_pct"] >= 100 * t.comm_share:
-        comm_ms = s.get("comm_transfer_ms", min(exposed_comm(r) for r in ranks))
+    if s.comm_pct >= 100 * t.comm_share:
         found.append(
             {
                 "cause": "communication-bound",
-                "fix": f"the gradient all-reduce is {s['comm_pct']:.0f}% of the step "
-                f"({comm_ms:.1f} ms for {s.get('grad_mb', 0):.1f} MB of gradients) → " + COMM_FIX,
+                "fix": f"the gradient all-reduce is {s.comm_pct:.0f}% of the step "
+                f"({s.comm_transfer_ms:.1f} ms for {s.grad_mb:.1f} MB of gradients) → " + COMM_FIX,
             }
         )
-    if s.get("contention_pct", 0.0) >= 100 * t.contention_share:
-        found.append({"cause": "host-contention", "fix": contention_fix(s)})
+    if s.cpu_wait_pct >= 100 * t.cpu_wait_share:
+        found.append({"cause": "host-contention", "fix": cpu_wait_fix(s)})
     return found
 
 
@@ -258,23 +236,22 @@ COMM_FIX = (
 )
 
 
-def contention_cause(s: dict) -> str:
+def cpu_wait_cause(s: DoctorRecord) -> str:
     """Why the threads waited for a CPU, as far as the run's own numbers tell."""
-    if s.get("oversubscribed"):
-        return s["oversubscribed"]
-    ranks = s["ranks"]
-    comm_wait = sum(r.get("comm_contention_ms", 0.0) for r in ranks)
-    if comm_wait >= 0.5 * sum(r["contention_ms"] for r in ranks) > 0:
+    if s.oversubscribed:
+        return s.oversubscribed
+    comm_wait = sum(r.comm_cpu_wait_ms for r in s.ranks)
+    if comm_wait >= 0.5 * sum(r.cpu_wait_ms for r in s.ranks) > 0:
         # Ranks on every core leave gloo's threads waiting for one even on an idle host (measured: ddp-template's
         # docs/measurements.md).
         return "mostly gloo's all-reduce threads, with every core taken by the ranks or other processes"
     return "other processes on the host"
 
 
-def contention_fix(s: dict) -> str:
-    why = contention_cause(s)
+def cpu_wait_fix(s: DoctorRecord) -> str:
+    why = cpu_wait_cause(s)
     return (
-        f"the training and all-reduce threads waited {s.get('contention_pct', 0.0):.0f}% of each step for a CPU "
+        f"the training and all-reduce threads waited {s.cpu_wait_pct:.0f}% of each step for a CPU "
         f"({why}) → "
         "fewer torch threads per rank (OMP_NUM_THREADS) or loader workers so that ranks x (threads + workers) "
         "fit the cores (on CPUs with one to spare for the all-reduce), fewer ranks per host, or no other jobs "
@@ -282,44 +259,44 @@ def contention_fix(s: dict) -> str:
     )
 
 
-def format_report(s: dict) -> str:
+def format_report(s: DoctorRecord) -> str:
     """The printed report: totals, one line per rank, the verdict and the fixes."""
     lines = [
-        f"Scaling doctor: {s['world_size']} x {s['device']}, {s['steps']} steps, "
-        f"{s['micro_batches_per_step']:g} micro-batch(es) of {s['micro_batch_size']:g} samples per step and device, "
-        f"{s['samples_per_s']:.0f} samples/s ({s['samples_per_s_per_device']:.0f} per device), "
-        f"{s['steps_per_s']:.1f} steps/s" + (f" (ddpkit {s['ddpkit_version']})" if s.get("ddpkit_version") else ""),
-        f"host: {s.get('cpu_cores_visible')} CPU cores, load {s.get('host_load_1min') or 0:.1f}, "
-        f"{s.get('cpu_threads_per_rank')} torch threads per rank, {s.get('num_workers')} loader workers per rank",
+        f"Scaling doctor: {s.world_size} x {s.device}, {s.steps} steps, "
+        f"{s.micro_batches_per_step:g} micro-batch(es) of {s.micro_batch_size:g} samples per step and device, "
+        f"{s.samples_per_s:.0f} samples/s ({s.samples_per_s_per_device:.0f} per device), "
+        f"{s.steps_per_s:.1f} steps/s" + (f" (ddpkit {s.ddpkit_version})" if s.ddpkit_version else ""),
+        f"host: {s.cpu_cores_visible} CPU cores, load {s.host_load_1min or 0:.1f}, "
+        f"{s.cpu_threads_per_rank} torch threads per rank, {s.num_workers} loader workers per rank",
         "rank | samples/s | step ms | data ms | compute ms | comm ms | other ms | cpu wait ms | gc ms | peak MB",
     ]
-    if not s.get("comm_measured", True):
+    if not s.comm_measured:
         lines.append("comm not timed, counted in compute: --doctor.measure_comm true times it (costs ~1-2 ms/step)")
-    for r in s["ranks"]:
+    for r in s.ranks:
         lines.append(
-            f"{r['rank']:>4} | {r['samples_per_s']:>9.0f} | {r['step_ms']:>7.2f} | {r['data_ms']:>7.2f} | "
-            f"{r['compute_ms']:>10.2f} | {r['comm_ms']:>7.2f} | {r['other_ms']:>8.2f} | "
-            f"{r['contention_ms']:>11.2f} | {r['gc_ms']:>5.2f} | {r['peak_mem_mb']:>7.0f}"
+            f"{r.rank:>4} | {r.samples_per_s:>9.0f} | {r.step_ms:>7.2f} | {r.data_ms:>7.2f} | "
+            f"{r.compute_ms:>10.2f} | {r.comm_ms:>7.2f} | {r.other_ms:>8.2f} | "
+            f"{r.cpu_wait_ms:>11.2f} | {r.gc_ms:>5.2f} | {r.peak_mem_mb:>7.0f}"
         )
     # The comm column is the all-reduce's span; its share is of the transfer alone (no wait for a CPU, or for
     # a rank that came later on that step).
-    transfer = f" ({s.get('comm_transfer_ms', 0.0):.1f} ms transfer)" if s.get("comm_measured") else ""
+    transfer = f" ({s.comm_transfer_ms:.1f} ms transfer)" if s.comm_measured else ""
     lines.append(
-        f"data wait {s['data_wait_pct']:.0f}% (loader {s.get('loader_wait_pct', 0):.0f}%) | "
-        f"waiting for a CPU {s.get('contention_pct', 0):.0f}% | comm {s['comm_pct']:.0f}%{transfer} | straggler spread "
-        f"{s['straggler_spread']:.2f}x (fastest rank waits {s['straggler_wait_pct']:.0f}%) | "
-        f"memory imbalance {s['memory_imbalance']:.2f}x"
+        f"data wait {s.data_wait_pct:.0f}% (loader {s.loader_wait_pct:.0f}%) | "
+        f"waiting for a CPU {s.cpu_wait_pct:.0f}% | comm {s.comm_pct:.0f}%{transfer} | straggler spread "
+        f"{s.straggler_spread:.2f}x (fastest rank waits {s.straggler_wait_pct:.0f}%) | "
+        f"memory imbalance {s.memory_imbalance:.2f}x"
     )
-    if s.get("oversubscribed"):
-        lines.append(f"note: oversubscribed: {s['oversubscribed']}: the ranks share hardware")
-    load, cores = s.get("host_load_1min"), s.get("cpu_cores_visible")
+    if s.oversubscribed:
+        lines.append(f"note: oversubscribed: {s.oversubscribed}: the ranks share hardware")
+    load, cores = s.host_load_1min, s.cpu_cores_visible
     if load and cores and load > cores:
         lines.append(
             f"note: host load {load:.1f} > {cores} cores: other processes compete with the ranks for the CPU; "
             "'cpu wait' is the time this took from the training threads (host-contention above its threshold)"
         )
-    if not s["findings"]:
+    if not s.findings:
         lines.append("verdict: healthy (no bottleneck above the thresholds)")
-    for f in s["findings"]:
+    for f in s.findings:
         lines.append(f"verdict: {f['cause']}: {f['fix']}")
     return "\n".join(lines)

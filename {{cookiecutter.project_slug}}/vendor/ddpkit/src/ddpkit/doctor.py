@@ -16,18 +16,20 @@ previous optimizer step to the end of the batch that stepped, and each part belo
   (progress bar, loggers, Lightning's per-step SIGTERM broadcast). Validation and checkpointing between
   epochs are outside the measurement.
 - peak memory: `torch.cuda.max_memory_allocated` on GPU, peak RSS of the process on CPU.
-- host contention: time the training thread was ready to run but waited for a CPU (Linux's
-  /proc/thread-self/schedstat run-queue delay), within the step and within each of its parts; and, on the
-  CPU, the time the process's other threads (gloo's, which carry the all-reduce) waited for a CPU while an
-  all-reduce was in flight. Other processes, more ranks x threads than cores, or loader workers competing
-  for the cores stretch every part of the step without that part being slow; this says how much, so that
-  e.g. a data wait that is really waiting for a CPU is not called data-bound, nor an all-reduce whose
-  threads had no core communication-bound. 0 where the kernel offers no schedstat.
+- cpu wait (the `cpu_wait_*` fields; too much of it is host-contention): time the training thread was ready to
+  run but waited for a CPU (Linux's /proc/thread-self/schedstat run-queue delay), within the step and within
+  each of its parts; and, on the CPU, the time the process's other threads (gloo's, which carry the
+  all-reduce) waited for a CPU while an all-reduce was in flight. Other processes, more ranks x threads than
+  cores, or loader workers competing for the cores stretch every part of the step without that part being
+  slow; this says how much, so that e.g. a data wait that is really waiting for a CPU is not called
+  data-bound, nor an all-reduce whose threads had no core communication-bound. 0 where the kernel offers no
+  schedstat.
 - garbage collection: time in Python's collector during the step (gc.callbacks).
 
-At the end of fit (and every `report_every_n_steps` steps when set) every rank contributes its numbers to
-one `all_gather`; rank 0 prints the report, writes `doctor.json` into the run's log directory (with a logger), and the
-loggers get the same numbers as `doctor/*` scalars. The verdict follows the thresholds of `Thresholds`.
+At the end of fit (and every `report_every_n_steps` steps when set) every rank contributes its numbers to one
+`all_gather`; rank 0 prints the report, writes `doctor.json` (a `record.DoctorRecord`) into the run's log
+directory (with a logger), and the loggers get the same numbers as `doctor/*` scalars. The verdict follows the
+thresholds of `Thresholds`.
 
 Cost: a few `perf_counter` calls and list appends per step, in Python floats; no `self.log`, no device sync
 per step. On CUDA only one step in `cuda_sample_every` is synchronised, to time its parts exactly.
@@ -53,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import __version__
 from .diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, format_report, summarize
 from .lightning_internals import ddp_comm_hook, wrap_fetch_hooks
+from .record import DoctorRecord
 
 
 class _Totals:
@@ -61,8 +64,8 @@ class _Totals:
     def __init__(self) -> None:
         self.steps = self.wall_s = self.samples = 0.0
         self.timed_steps = self.data_s = self.busy_s = self.comm_s = self.step_s = 0.0
-        self.contention_s = self.data_contention_s = self.busy_contention_s = self.gc_s = 0.0
-        self.comm_contention_s = self.micro_batches = 0.0
+        self.cpu_wait_s = self.data_cpu_wait_s = self.busy_cpu_wait_s = self.gc_s = 0.0
+        self.comm_cpu_wait_s = self.micro_batches = 0.0
 
     def add(self, other: "_Totals") -> None:
         for name in FIELDS[:-3]:
@@ -154,7 +157,7 @@ class ScalingDoctor(L.Callback):
         data_wait_share: See `Thresholds`.
         comm_share: See `Thresholds`.
         memory_imbalance: See `Thresholds`.
-        contention_share: See `Thresholds`.
+        cpu_wait_share: See `Thresholds`.
     """
 
     def __init__(
@@ -170,15 +173,15 @@ class ScalingDoctor(L.Callback):
         data_wait_share: float = Thresholds.data_wait_share,
         comm_share: float = Thresholds.comm_share,
         memory_imbalance: float = Thresholds.memory_imbalance,
-        contention_share: float = Thresholds.contention_share,
+        cpu_wait_share: float = Thresholds.cpu_wait_share,
     ) -> None:
         self.enabled, self.report_every_n_steps, self.warmup_steps = enabled, report_every_n_steps, warmup_steps
         self.cuda_sample_every, self.summary_file = cuda_sample_every, summary_file
         self.measure_comm = measure_comm
         self.thresholds = Thresholds(
-            min_step_ms, straggler_wait_share, data_wait_share, comm_share, memory_imbalance, contention_share
+            min_step_ms, straggler_wait_share, data_wait_share, comm_share, memory_imbalance, cpu_wait_share
         )
-        self.summary: dict | None = None  # the last report's numbers, on every rank
+        self.summary: DoctorRecord | None = None  # the last report's numbers, on every rank
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -314,9 +317,9 @@ class ScalingDoctor(L.Callback):
             step.data_s += self._fetch_s
             step.busy_s += end - self._start
             step.step_s += end - self._last_end
-            step.contention_s += wait_end - self._wait_last
-            step.data_contention_s += self._data_wait_s
-            step.busy_contention_s += wait_end - self._wait_start
+            step.cpu_wait_s += wait_end - self._wait_last
+            step.data_cpu_wait_s += self._data_wait_s
+            step.busy_cpu_wait_s += wait_end - self._wait_start
             step.gc_s += self._gc_s
         self._fetch_s = self._data_wait_s = self._gc_s = 0.0
         # A doctor step is one optimizer step: it ends with the batch in which global_step moved. Accumulating
@@ -340,7 +343,7 @@ class ScalingDoctor(L.Callback):
                 comm = self._comm_seconds()
                 # Summed over threads: may exceed the span when two waited at once; the span bounds it.
                 wait = min(max(0.0, self._comm_wait[1] - self._comm_wait[0]), comm) if self._comm_wait else 0.0
-                step.timed_steps, step.comm_s, step.comm_contention_s = 1, comm, wait
+                step.timed_steps, step.comm_s, step.comm_cpu_wait_s = 1, comm, wait
                 self._step_comm.append(comm - wait)
             self._total.add(step)
             self._window.add(step)
@@ -360,9 +363,9 @@ class ScalingDoctor(L.Callback):
         log_dir = trainer.log_dir  # a collective: every rank asks
         # Without a logger log_dir is default_root_dir (often the project itself): no run directory to write to.
         if self.summary_file and log_dir and trainer.logger is not None:
-            _write_json(Path(log_dir) / self.summary_file, summary)
+            _write_json(Path(log_dir) / self.summary_file, summary.to_dict())
 
-    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, totals: _Totals) -> dict:
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, totals: _Totals) -> DoctorRecord:
         """Gather every rank's numbers (all ranks must call this), print and log them on rank 0."""
         index = float(self._device.index if self._device.index is not None else -1)
         row = totals.row(float(trainer.node_rank), index, self._peak_memory())
@@ -372,13 +375,13 @@ class ScalingDoctor(L.Callback):
         if self._comm_measured:
             context["comm_step_min_ms"] = self._step_min_comm_ms(trainer, int(totals.timed_steps))
         s = summarize(rows, context)
-        s["findings"] = diagnose(s, self.thresholds)
-        s["verdict"] = s["findings"][0]["cause"] if s["findings"] else "healthy"
-        s["thresholds"] = asdict(self.thresholds)
+        s.findings = diagnose(s, self.thresholds)
+        s.verdict = s.findings[0]["cause"] if s.findings else "healthy"
+        s.thresholds = asdict(self.thresholds)
         rank_zero_info(format_report(s))
-        metrics = {f"doctor/{k}": float(s[k]) for k in _SCALARS}
-        for r in s["ranks"]:
-            metrics.update({f"doctor/rank{r['rank']}/{k}": float(r[k]) for k in _RANK_SCALARS})
+        metrics = {f"doctor/{k}": float(getattr(s, k)) for k in _SCALARS}
+        for r in s.ranks:
+            metrics.update({f"doctor/rank{r.rank}/{k}": float(getattr(r, k)) for k in _RANK_SCALARS})
         for logger in trainer.loggers:  # loggers write on rank 0 only
             logger.log_metrics(metrics, step=trainer.global_step)
         self.summary = s
@@ -434,12 +437,12 @@ _SCALARS = (
     "step_ms",
     "data_wait_pct",
     "comm_pct",
-    "contention_pct",
+    "cpu_wait_pct",
     "straggler_spread",
     "straggler_wait_pct",
     "memory_imbalance",
 )
-_RANK_SCALARS = ("samples_per_s", "step_ms", "data_ms", "compute_ms", "comm_ms", "contention_ms", "peak_mem_mb")
+_RANK_SCALARS = ("samples_per_s", "step_ms", "data_ms", "compute_ms", "comm_ms", "cpu_wait_ms", "peak_mem_mb")
 
 
 def _allreduce_latency_ms(device: torch.device, reps: int = 20) -> float:

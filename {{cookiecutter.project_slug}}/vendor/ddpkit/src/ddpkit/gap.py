@@ -17,7 +17,8 @@ differ in length).
 
 from statistics import NormalDist
 
-from .diagnosis import COMM_FIX, contention_cause, exposed_comm
+from .diagnosis import COMM_FIX, cpu_wait_cause
+from .record import DoctorRecord
 
 # A sweep point below this efficiency (speed-up / ideal speed-up) is never called healthy: its verdict
 # names the largest part of its gap. 0.8: the share a well-fed data-parallel job on a fast interconnect
@@ -31,25 +32,21 @@ PARTS = {
     "data": ("data wait (loader)", "data-bound"),
     "straggler": ("waiting for the slowest rank", "straggler"),
     "other": ("framework / other", "framework-overhead"),
-    "contention": ("waiting for a CPU (host)", "host-contention"),
+    "cpu_wait": ("waiting for a CPU (host)", "host-contention"),
 }
 
 
-def _mean(s: dict, key: str) -> float:
-    return sum(r.get(key, 0.0) for r in s["ranks"]) / len(s["ranks"])
-
-
-def global_batch(s: dict) -> float:
+def global_batch(s: DoctorRecord) -> float:
     """Samples per optimizer step summed over the ranks (every micro-batch of the step)."""
-    return sum(r["batch"] for r in s["ranks"])
+    return sum(r.batch for r in s.ranks)
 
 
-def step_ms(s: dict) -> float:
+def step_ms(s: DoctorRecord) -> float:
     """The step as the user sees it: global batch / measured throughput, in ms."""
-    return 1000 * global_batch(s) / s["samples_per_s"] if s["samples_per_s"] else 0.0
+    return 1000 * global_batch(s) / s.samples_per_s if s.samples_per_s else 0.0
 
 
-def components(s: dict) -> dict[str, float]:
+def components(s: DoctorRecord) -> dict[str, float]:
     """A run's step (ms) split into the parts of PARTS, along the critical path of a synchronous step.
 
     All ranks leave the all-reduce together, so the step is the last rank's: its own work (data wait +
@@ -61,35 +58,31 @@ def components(s: dict) -> dict[str, float]:
     out of the part it fell in (the typical rank's data and busy time, the last rank's all-reduce, whose
     gloo threads wait on CPUs, and its other time). The parts add up to the last rank's timed step.
     """
-    ranks = s["ranks"]
-    last = min(ranks, key=exposed_comm)  # the last to arrive waits least (for others) in the all-reduce
-    typical = sorted(ranks, key=lambda r: r["work_ms"])[(len(ranks) - 1) // 2]
+    ranks = s.ranks
+    last = min(ranks, key=lambda r: r.exposed_comm_ms)  # the last to arrive waits least (for others) in it
+    typical = sorted(ranks, key=lambda r: r.work_ms)[(len(ranks) - 1) // 2]
     # Of its all-reduce, the transfer is each step's least; the rest it waited on steps it was not last.
-    transfer = min(exposed_comm(last), s.get("comm_transfer_ms", float("inf")))
-    comm_wait = last.get("comm_contention_ms", 0.0)
-    other_wait = last.get("contention_ms", 0.0) - last.get("data_contention_ms", 0.0)
-    other_wait -= last.get("busy_contention_ms", 0.0) + comm_wait
+    transfer = min(last.exposed_comm_ms, s.comm_transfer_ms)
+    comm_wait = last.comm_cpu_wait_ms
+    other_wait = last.cpu_wait_ms - last.data_cpu_wait_ms - last.busy_cpu_wait_ms - comm_wait
     return {
-        "compute": typical["compute_ms"] - typical.get("busy_contention_ms", 0.0),
+        "compute": typical.compute_ms - typical.busy_cpu_wait_ms,
         "comm": transfer,
-        "data": typical["data_ms"] - typical.get("data_contention_ms", 0.0),
-        "straggler": last["work_ms"] - typical["work_ms"] + exposed_comm(last) - transfer,
-        "other": last["other_ms"] - other_wait,
-        "contention": typical.get("data_contention_ms", 0.0)
-        + typical.get("busy_contention_ms", 0.0)
-        + comm_wait
-        + other_wait,
+        "data": typical.data_ms - typical.data_cpu_wait_ms,
+        "straggler": last.work_ms - typical.work_ms + last.exposed_comm_ms - transfer,
+        "other": last.other_ms - other_wait,
+        "cpu_wait": typical.data_cpu_wait_ms + typical.busy_cpu_wait_ms + comm_wait + other_wait,
     }
 
 
-def explain(base: dict, run: dict) -> dict:
+def explain(base: DoctorRecord, run: DoctorRecord) -> dict:
     """The gap of `run` (N devices) against the ideal from `base` (fewer devices, same global batch)."""
     if abs(global_batch(base) - global_batch(run)) > 0.01 * global_batch(base):
         raise ValueError(
             f"not the same global batch ({global_batch(base):.0f} vs {global_batch(run):.0f} samples per step): "
             "the runs do not compare"
         )
-    n0, n = base["world_size"], run["world_size"]
+    n0, n = base.world_size, run.world_size
     step0, step = step_ms(base), step_ms(run)
     ideal = step0 * n0 / n
     gap = step - ideal
@@ -109,18 +102,18 @@ def explain(base: dict, run: dict) -> dict:
         "parts_ms": parts,
         "unexplained_ms": gap - sum(parts.values()),
         "largest": largest,
-        "oversubscribed": run.get("oversubscribed", ""),
+        "oversubscribed": run.oversubscribed,
     }
     if efficiency >= EFFICIENCY_LINE or gap <= 0:
-        e["verdict"], e["fix"] = run.get("verdict", "healthy"), ""
+        e["verdict"], e["fix"] = run.verdict, ""
     else:
         e["verdict"], e["fix"] = PARTS[largest][1], fix(largest, parts[largest], run)
     return e
 
 
-def fix(part: str, ms: float, run: dict) -> str:
+def fix(part: str, ms: float, run: DoctorRecord) -> str:
     """What to do about the largest part of the gap; every fix keeps the global batch."""
-    per_device = round(global_batch(run) / run["world_size"])
+    per_device = round(global_batch(run) / run.world_size)
     added = f"{ms:.1f} ms per step"
     if part == "compute":
         return (
@@ -130,17 +123,17 @@ def fix(part: str, ms: float, run: dict) -> str:
             "or cheaper fixed costs (torch.compile, fused optimizer)"
         )
     if part == "comm":
-        return f"the gradient all-reduce ({run.get('grad_mb', 0):.1f} MB) added {added} → {COMM_FIX}"
+        return f"the gradient all-reduce ({run.grad_mb:.1f} MB) added {added} → {COMM_FIX}"
     if part == "data":
         return (
             f"waiting for the loader did not shrink ({added}): a per-batch cost, or a loader that a device's "
-            f"smaller share does not speed up → --data.num_workers (now {run.get('num_workers')}), "
+            f"smaller share does not speed up → --data.num_workers (now {run.num_workers}), "
             "persistent workers, pinned memory, cheaper loading (decode once, cache)"
         )
     if part == "straggler":
-        slow = max(run["ranks"], key=lambda r: r["work_ms"])
+        slow = max(run.ranks, key=lambda r: r.work_ms)
         return (
-            f"the ranks waited {added} in the all-reduce for the slowest (rank {slow['rank']}) → check that "
+            f"the ranks waited {added} in the all-reduce for the slowest (rank {slow.rank}) → check that "
             "rank's data shard and loader, its cores, other jobs or throttling on its device"
         )
     if part == "other":
@@ -150,7 +143,7 @@ def fix(part: str, ms: float, run: dict) -> str:
             "no sync_dist on every step"
         )
     return (
-        f"the training and all-reduce threads waited {added} for a CPU ({contention_cause(run)}) → ranks x "
+        f"the training and all-reduce threads waited {added} for a CPU ({cpu_wait_cause(run)}) → ranks x "
         "(threads + loader workers) within the cores, with one spare for the all-reduce on CPUs "
         "(OMP_NUM_THREADS, fewer ranks per host), one rank per GPU, no other jobs on these cores"
     )
@@ -187,7 +180,7 @@ def expected_max(n: int) -> float:
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
 
 
-def predict(one: dict, two: dict, n: int) -> dict:
+def predict(one: DoctorRecord, two: DoctorRecord, n: int) -> dict:
     """Step time and speed-up on n devices from runs on 1 and 2 (same global batch).
 
     Compute and data wait per device are fitted as fixed + per-sample x the per-device batch through the
@@ -205,16 +198,16 @@ def predict(one: dict, two: dict, n: int) -> dict:
         fixed = max(0.0, a[part] - per_sample * batch)
         return fixed + per_sample * batch / n
 
-    latency = min(two.get("allreduce_latency_ms") or 0.0, b["comm"])
+    latency = min(two.allreduce_latency_ms or 0.0, b["comm"])  # None: not measured, all bandwidth
     comm = ring_allreduce_ms(n, latency, b["comm"] - latency)
     straggler = b["straggler"] * expected_max(n) / (2 * expected_max(2))  # at 2: max - min = 2 x E[max]
     step = fitted("compute") + fitted("data") + b["other"] + comm + straggler
-    base = step_ms(one) - a["contention"]  # the 1-device step without its wait for a CPU, likewise
+    base = step_ms(one) - a["cpu_wait"]  # the 1-device step without its wait for a CPU, likewise
     return {"devices": n, "step_ms": step, "speedup": base / step if step else 0.0, "comm_ms": comm}
 
 
-def measured_without_contention(one: dict, run: dict) -> float:
+def measured_without_cpu_wait(one: DoctorRecord, run: DoctorRecord) -> float:
     """The measured speed-up of `run` over `one` with each run's wait for a CPU taken out: what `predict`
     predicts (each rank on its own hardware)."""
     a, b = components(one), components(run)
-    return (step_ms(one) - a["contention"]) / (step_ms(run) - b["contention"])
+    return (step_ms(one) - a["cpu_wait"]) / (step_ms(run) - b["cpu_wait"])

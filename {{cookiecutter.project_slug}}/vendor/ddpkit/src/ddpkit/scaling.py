@@ -47,8 +47,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.diagnosis import SCHEMA
-from ddpkit.gap import PARTS, explain, format_explain, measured_without_contention, predict
+from ddpkit.gap import PARTS, explain, format_explain, measured_without_cpu_wait, predict
+from ddpkit.record import DoctorRecord, SchemaError
 
 
 def main_command(main: str) -> list[str]:
@@ -79,7 +79,7 @@ def threads_per_process(devices: list[int]) -> int:
 
 def run_fit(
     main: list[str], devices: int, root: Path, fit_args: list[str], max_steps: int, timeout: float, threads: int
-) -> dict:
+) -> DoctorRecord:
     """One fit (`main`: the command of main_command) on `devices` devices under `root`, `threads` CPU threads per
     process; return its doctor summary."""
     shutil.rmtree(root, ignore_errors=True)
@@ -102,19 +102,19 @@ def run_fit(
     if code != 0 or not summaries:
         tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
         raise SystemExit(f"{devices} devices: fit exited {code} without a doctor.json ({log}):\n{tail}")
-    return json.loads(summaries[-1].read_text())
+    return DoctorRecord.from_dict(json.loads(summaries[-1].read_text()), str(summaries[-1]))
 
 
-def table_rows(summaries: list[dict]) -> list[dict]:
+def table_rows(summaries: list[DoctorRecord]) -> list[dict]:
     """One row per run; speed-up, efficiency and the gap's parts relative to the run with the fewest devices."""
-    base = min(summaries, key=lambda s: s["world_size"])
+    base = min(summaries, key=lambda s: s.world_size)
     rows = []
-    for s in sorted(summaries, key=lambda s: s["world_size"]):
+    for s in sorted(summaries, key=lambda s: s.world_size):
         e = explain(base, s)
         rows.append(
             {
-                "devices": s["world_size"],
-                "samples_per_s": round(s["samples_per_s"], 1),
+                "devices": s.world_size,
+                "samples_per_s": round(s.samples_per_s, 1),
                 # 4 decimals: the table and the printed decomposition round these again to 1-2, and must agree
                 # (0.355 kept as 0.355 prints as 0.35 in one and 0.36 from the unrounded 0.3551 in the other).
                 "speedup": round(e["speedup"], 4),
@@ -125,22 +125,22 @@ def table_rows(summaries: list[dict]) -> list[dict]:
                 "parts_ms": {k: round(v, 4) for k, v in e["parts_ms"].items()},
                 "unexplained_ms": round(e["unexplained_ms"], 4),
                 "oversubscribed": e["oversubscribed"],
-                "peak_mem_mb": [round(r["peak_mem_mb"]) for r in s["ranks"]],
-                "verdict": e["verdict"] if s is not base else s["verdict"],
+                "peak_mem_mb": [round(r.peak_mem_mb) for r in s.ranks],
+                "verdict": e["verdict"] if s is not base else s.verdict,
                 "fix": e["fix"],
             }
         )
     return rows
 
 
-def predictions(summaries: list[dict], devices: list[int]) -> list[dict]:
+def predictions(summaries: list[DoctorRecord], devices: list[int]) -> list[dict]:
     """Predicted step and speed-up at each of `devices` from the 1- and 2-device runs, next to the
     measurement where there is one; [] without both runs."""
-    by_n = {s["world_size"]: s for s in summaries}
+    by_n = {s.world_size: s for s in summaries}
     if 1 not in by_n or 2 not in by_n:
         return []
     out = []
-    waits = [by_n[n].get("contention_pct", 0.0) for n in (1, 2)]
+    waits = [by_n[n].cpu_wait_pct for n in (1, 2)]
     # Fitted through runs that waited for a CPU, the parts hold less than they would on free cores.
     caveat = (
         f"note: the 1- and 2-device runs waited {waits[0]:.0f}% and {waits[1]:.0f}% of their steps for a CPU: "
@@ -156,7 +156,7 @@ def predictions(summaries: list[dict], devices: list[int]) -> list[dict]:
             e = explain(by_n[1], by_n[n])
             row["measured_speedup"] = round(e["speedup"], 3)
             # The prediction assumes a CPU for every rank: compare it with the measurement without that wait too.
-            row["measured_speedup_without_cpu_wait"] = round(measured_without_contention(by_n[1], by_n[n]), 3)
+            row["measured_speedup_without_cpu_wait"] = round(measured_without_cpu_wait(by_n[1], by_n[n]), 3)
             row["error_pct"] = round(100 * (p["speedup"] / row["measured_speedup_without_cpu_wait"] - 1), 1)
         out.append(row)
     return out
@@ -164,7 +164,7 @@ def predictions(summaries: list[dict], devices: list[int]) -> list[dict]:
 
 # Column heads of the parts, in PARTS' order.
 PART_HEADS = {"compute": "compute", "comm": "comm", "data": "data", "straggler": "straggler", "other": "other"}
-PART_HEADS["contention"] = "cpu wait"
+PART_HEADS["cpu_wait"] = "cpu wait"
 
 
 def markdown(rows: list[dict], predicted: list[dict] | None = None) -> str:
@@ -263,12 +263,12 @@ def sweep(
     (out / "scaling.json").write_text(json.dumps(record, indent=2) + "\n")
     plotted = plot(rows, out / "scaling.png")
     print(table)
-    base = min(summaries, key=lambda s: s["world_size"])
-    for s in sorted(summaries, key=lambda s: s["world_size"]):
+    base = min(summaries, key=lambda s: s.world_size)
+    for s in sorted(summaries, key=lambda s: s.world_size):
         if s is not base:
             print(format_explain(explain(base, s)))
-        for f in s["findings"]:
-            print(f"{s['world_size']} device(s), the doctor on that run alone: {f['cause']}: {f['fix']}")
+        for f in s.findings:
+            print(f"{s.world_size} device(s), the doctor on that run alone: {f['cause']}: {f['fix']}")
     print(f"written: {out / 'scaling.md'}, scaling.json" + (", scaling.png" if plotted else ""))
     return rows
 
@@ -348,18 +348,15 @@ def preflight(main: list[str], devices: int, fit_args: list[str]) -> None:
     print(f"ok: {devices} processes joined one {'nccl' if cuda else 'gloo'} group and all-reduced correctly")
 
 
-def load_summary(path: Path) -> dict:
+def load_summary(path: Path) -> DoctorRecord:
     """The doctor's summary of a run: doctor.json itself, or the newest one under a run directory."""
     found = [path] if path.is_file() else sorted(path.rglob("doctor.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"no doctor.json in {path} (the doctor writes it when the run has a logger)")
-    summary = json.loads(found[-1].read_text())
-    if summary.get("schema") != SCHEMA:  # absent before schema 2
-        raise SystemExit(
-            f"error: {found[-1]} has schema {summary.get('schema', 1)}, this ddpkit reads schema {SCHEMA}: "
-            "fit that run again with this version"
-        )
-    return summary
+    try:
+        return DoctorRecord.from_dict(json.loads(found[-1].read_text()), str(found[-1]))
+    except SchemaError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def explain_runs(paths: list[Path]) -> None:

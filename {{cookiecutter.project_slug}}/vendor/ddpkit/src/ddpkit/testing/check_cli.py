@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from ..parity import read_csv_scalars, read_scalars
+from ..record import DoctorRecord
 from .runs import PROJECT_CONFIG, best_checkpoint
 
 
@@ -131,6 +132,6 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(cpu_runs):
 def test_doctor_reports_by_default_without_timing_the_all_reduce(cpu_runs):
     """The default fit ends with the doctor's report; the costly comm hook is off unless asked for."""
     run = cpu_runs["1dev-fp64"]
-    summary = json.loads((run.version / "doctor.json").read_text())
+    summary = DoctorRecord.from_dict(json.loads((run.version / "doctor.json").read_text()))
     assert "Scaling doctor: 1 x cpu" in run.output() and "comm not timed" in run.output()
-    assert summary["comm_measured"] is False and summary["steps"] > 0
+    assert summary.comm_measured is False and summary.steps > 0
