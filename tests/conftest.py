@@ -1,17 +1,15 @@
 """Fixtures of the template's tests (baked projects, the jobs that run in the background) and the order the
 tests run in.
 
-The order: first the virtual environment the generated README's commands run in is filled by the README's own
-install commands (`readme_env`), alone (on a loaded host its installs took 7 minutes and held up the rest).
-Then the tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took), with
-nothing else of ours running. The first test after them starts the long jobs that time nothing in the
-background, those its session will read: the generated README's other commands (readme_commands.py) and the
+The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
+first, while nothing else of ours runs. The first test after them starts the long jobs that time nothing in
+the background, those its session will read: the generated README's commands (readme_commands.py) and the
 own project's story (own_project.py), besides tests/library's early jobs (tests/library/early.py). The
 other tests run meanwhile; the ones that read a job wait for its result.
 """
 
 import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,14 +27,8 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("timing") is None)  # stable: timing tests first
 
 
-def used_fixtures(request) -> set[str]:
-    return {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _background_after_timing(request):
-    if "readme_runs" in used_fixtures(request):
-        wait([request.getfixturevalue("readme_env")])  # its installs end before any test runs (errors: test_docs)
     if request.node.get_closest_marker("timing") is None:
         request.getfixturevalue("background")
 
@@ -44,7 +36,7 @@ def _background_after_timing(request):
 @pytest.fixture(scope="session")
 def background(request) -> None:
     """Start the background jobs that the selected tests read (by fixture name)."""
-    used = used_fixtures(request)
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     for name in BACKGROUND:
         if name in used:
             request.getfixturevalue(name)
@@ -79,30 +71,14 @@ def torch_env(venv: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def readme_env(readme_project, tmp_path_factory) -> Future:
-    """A new virtual environment with the pinned torch, filled by the generated README's install commands
-    (readme_commands.install_readme): (its environment variables, the directory of a stand-in srun, the
-    installs' results)."""
-    from readme_commands import install_readme
-
-    venv, bin_dir = tmp_path_factory.mktemp("venv") / "venv", tmp_path_factory.mktemp("bin")
-
-    def install() -> tuple[dict, Path, dict]:
-        env = torch_env(venv)
-        return env, bin_dir, install_readme(readme_project, env, bin_dir)
-
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(install)
-
-
-@pytest.fixture(scope="session")
-def readme_runs(readme_project, readme_env) -> Future:
-    """The generated README's other commands (readme_commands.run_readme) in that environment, in the
-    background; test_docs.py waits for the result."""
+def readme_runs(readme_project, tmp_path_factory) -> Future:
+    """The generated README's commands (readme_commands.run_readme) in a new virtual environment that its own
+    install commands fill, in the background; test_docs.py waits for the result."""
     from readme_commands import run_readme
 
+    venv, bin_dir = tmp_path_factory.mktemp("venv") / "venv", tmp_path_factory.mktemp("bin")
     with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(lambda: run_readme(readme_project, *readme_env.result()))
+        yield pool.submit(lambda: run_readme(readme_project, torch_env(venv), bin_dir))
 
 
 @pytest.fixture(scope="session")

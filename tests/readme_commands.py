@@ -19,8 +19,8 @@ The checks:
   command with `--print_config` added: the command the script composes parses and holds `expect`.
 - `Elsewhere`: another test runs this command (named, and checked to exist).
 
-`install_readme` runs the install commands, `run_readme` then the rest in two chains at once, each in README
-order (a later command may use what an earlier one trained): `SECOND_CHAIN` holds the commands that neither write nor
+`run_readme` runs the install commands first, then the rest in two chains at once, each in README order (a
+later command may use what an earlier one trained): `SECOND_CHAIN` holds the commands that neither write nor
 read the project's runs (lightning_logs/, runs/), the first chain all others.
 """
 
@@ -247,39 +247,26 @@ def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
     return done
 
 
-def readme_commands(project: Path) -> tuple[list[str], list[str]]:
-    """The generated README's commands that run here, in README order: (its install commands, the rest)."""
+def run_readme(project: Path, env: dict, bin_dir: Path) -> dict:
+    """Every command of the generated README that runs here: the installs in README order, then the two chains
+    at once. Returns {command: (what ran, exit status, output)} and the project's config.yaml before."""
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    results = {"config.yaml before": (project / "config.yaml").read_text()}
     commands = [
         c for c, _ in shell_commands((project / "README.md").read_text()) if not isinstance(GENERATED[c], Elsewhere)
     ]
     installs = [c for c in commands if c.startswith("pip install")]
-    return installs, [c for c in commands if c not in installs]
-
-
-def install_readme(project: Path, env: dict, bin_dir: Path) -> dict:
-    """The README's install commands, in README order. Returns {command: (what ran, exit status, output)} and the
-    project's config.yaml before."""
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
-    results = {"config.yaml before": (project / "config.yaml").read_text()}
-    for command in readme_commands(project)[0]:
+    for command in installs:
         results |= run_command(command, project, env, bin_dir)
-    return results
-
-
-def run_readme(project: Path, env: dict, bin_dir: Path, installed: dict) -> dict:
-    """The README's other commands after its installs (`installed`, from install_readme), in two chains at once.
-    Returns {command: (what ran, exit status, output)} of every command."""
-    commands = readme_commands(project)[1]
 
     def chain(second: bool) -> dict:
         done = {}
         for command in commands:
-            if (command in SECOND_CHAIN) == second:
+            if command not in installs and (command in SECOND_CHAIN) == second:
                 done |= run_command(command, project, env, bin_dir)
         return done
 
-    results = dict(installed)
     with ThreadPoolExecutor(2) as pool:
         for done in pool.map(chain, (False, True)):
             results |= done
