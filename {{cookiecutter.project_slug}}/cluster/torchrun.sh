@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Multi-node DDP with torchrun: run the same command on every node (by hand, pdsh, or your scheduler).
-#   NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 bash cluster/torchrun.sh [main.py options]
+#   NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 RDZV_ID=run1 bash cluster/torchrun.sh [main.py options]
 # torchrun's c10d rendezvous (hosted on RDZV_ENDPOINT, any node every node can reach) assigns node and
 # global ranks; Lightning reads them from torchrun's environment (TorchElasticEnvironment) and must be
 # told the same shape: --trainer.num_nodes = --nnodes, --trainer.devices = --nproc_per_node.
+# The run lives in runs/<RDZV_ID> (on a file system every node shares): the same command started again
+# (by you or a scheduler) continues it from its newest complete checkpoint (--ckpt_path auto).
 set -euo pipefail
 NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-1}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port, the same on every node}
+RDZV_ID=${RDZV_ID:-train}
 
 # `python -m torch.distributed.run` is `torchrun`, with the same interpreter as `python`.
 exec python -m torch.distributed.run \
@@ -15,8 +18,10 @@ exec python -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" \
     --rdzv-backend c10d \
     --rdzv-endpoint "$RDZV_ENDPOINT" \
-    --rdzv-id "${RDZV_ID:-train}" \
+    --rdzv-id "$RDZV_ID" \
     main.py fit \
     --trainer.num_nodes "$NNODES" \
     --trainer.devices "$GPUS_PER_NODE" \
+    --trainer.default_root_dir "runs/$RDZV_ID" \
+    --ckpt_path auto \
     "$@"

@@ -396,31 +396,56 @@ def match_torchrun(trainer: Any) -> None:
 
 
 def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
-    """Turn `--ckpt_path last` (and `best` for validate/test/predict) into a file; return the run directory
-    that `fit --ckpt_path last` continues, else None.
+    """Turn `--ckpt_path last` and `auto` (and `best` for validate/test/predict) into a file; return the run
+    directory that `fit` continues, else None.
 
     Lightning looks for `last` only in the new run's own directory, so after a finished or crashed run it
     warns and trains from scratch. Here `last` is the newest complete `last.ckpt` under
-    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start.
+    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start. `fit --ckpt_path
+    auto` is the command for a job that a scheduler starts and restarts: the newest complete checkpoint under
+    the root (a `last.ckpt`, or a SLURM requeue's `hpc_ckpt_N.ckpt` in the root itself), else a new run.
     """
     ckpt_path = config.get("ckpt_path")
-    if ckpt_path not in ("last", "best"):
+    if ckpt_path not in ("last", "best", "auto"):
         return None
     if ckpt_path == "best" and subcommand == "fit":
         raise BadInput("--ckpt_path best is for validate, test and predict; resume training with --ckpt_path last.")
+    if ckpt_path == "auto" and subcommand != "fit":
+        raise BadInput(f"--ckpt_path auto is for fit (a job that may restart); {subcommand} takes last or best.")
     root = Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd())
     last = newest_last_checkpoint(root)
+    if ckpt_path == "auto":
+        found = [p for p in (last, newest_hpc_checkpoint(root)) if p is not None]
+        last = max(found, key=written_at, default=None)
+        if last is None:
+            config["ckpt_path"] = None
+            if rank_label() == "0":
+                sys.stderr.write(f"fit: --ckpt_path auto: no complete checkpoint under {root}; starting a new run\n")
+            return None
     if last is None:
         raise BadInput(
             f"--ckpt_path {ckpt_path}: no complete last.ckpt under {root}. Train first (python main.py fit), "
             "point --trainer.default_root_dir at the run's root, or pass a checkpoint file."
         )
-    path = last if ckpt_path == "last" else best_checkpoint(last)
+    path = best_checkpoint(last) if ckpt_path == "best" else last
     config["ckpt_path"] = str(path)
     if rank_label() == "0":
         sys.stderr.write(f"{subcommand}: --ckpt_path {ckpt_path} is {path}\n")
     run = last.parent.parent
-    return run if subcommand == "fit" and last.parent.name == "checkpoints" else None
+    return run if subcommand == "fit" and last.name == "last.ckpt" and last.parent.name == "checkpoints" else None
+
+
+def written_at(checkpoint: Path) -> float:
+    """When a checkpoint file was written; a sharded checkpoint's directory, when its index was."""
+    return (checkpoint / ".metadata" if checkpoint.is_dir() else checkpoint).stat().st_mtime
+
+
+def newest_hpc_checkpoint(root: Path) -> Path | None:
+    """The highest `hpc_ckpt_N.ckpt` in `root` that is complete: SlurmRequeue's (and Lightning's) save before a
+    requeue, mid-epoch, which Lightning itself resumes only when no `--ckpt_path` is given."""
+    numbered = [(int(p.stem[9:]), p) for p in root.glob("hpc_ckpt_*.ckpt") if p.stem[9:].isdigit()]
+    complete = [(n, p) for n, p in numbered if zipfile.is_zipfile(p) or (p / ".metadata").is_file()]
+    return max(complete)[1] if complete else None
 
 
 def newest_last_checkpoint(root: Path) -> Path | None:
