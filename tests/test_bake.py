@@ -17,6 +17,7 @@ COMMON = {
     "README.md",
     "cluster/slurm.sbatch",
     "cluster/torchrun.sh",
+    "cluster/trainjob.yaml",
     "config.yaml",
     "configs/debug.yaml",
     "configs/model_parallel.yaml",
