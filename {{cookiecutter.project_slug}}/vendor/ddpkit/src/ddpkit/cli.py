@@ -402,8 +402,9 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
     Lightning looks for `last` only in the new run's own directory, so after a finished or crashed run it
     warns and trains from scratch. Here `last` is the newest complete `last.ckpt` under
     `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start. `fit --ckpt_path
-    auto` is the command for a job that a scheduler starts and restarts: the newest complete checkpoint under
-    the root (a `last.ckpt`, or a SLURM requeue's `hpc_ckpt_N.ckpt` in the root itself), else a new run.
+    auto` is the command for a job that a scheduler starts and restarts: the newest complete `last.ckpt` under
+    the root, or a SLURM requeue's `hpc_ckpt_N.ckpt` in the root itself when it is as far (`further`), else a
+    new run.
     """
     ckpt_path = config.get("ckpt_path")
     if ckpt_path not in ("last", "best", "auto"):
@@ -415,8 +416,7 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
     root = Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd())
     last = newest_last_checkpoint(root)
     if ckpt_path == "auto":
-        found = [p for p in (last, newest_hpc_checkpoint(root)) if p is not None]
-        last = max(found, key=written_at, default=None)
+        last = further(last, newest_hpc_checkpoint(root))
         if last is None:
             config["ckpt_path"] = None
             if rank_label() == "0":
@@ -435,9 +435,16 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
     return run if subcommand == "fit" and last.name == "last.ckpt" and last.parent.name == "checkpoints" else None
 
 
-def written_at(checkpoint: Path) -> float:
-    """When a checkpoint file was written; a sharded checkpoint's directory, when its index was."""
-    return (checkpoint / ".metadata" if checkpoint.is_dir() else checkpoint).stat().st_mtime
+def further(last: Path | None, hpc: Path | None) -> Path | None:
+    """Of the newest last.ckpt and a SLURM requeue's hpc_ckpt_N.ckpt, the one further in training; on a tie the
+    requeue's: it is saved mid-epoch with the loader's position, then the job stops and Lightning ends the epoch
+    with a last.ckpt of the same step that counts the epoch as done (a resume from it skipped the epoch's rest)."""
+    if last is None or hpc is None:
+        return last or hpc
+    if last.is_dir() or hpc.is_dir():  # a sharded checkpoint keeps its step in the shards: the newer one
+        return max(last, hpc, key=lambda c: (c / ".metadata" if c.is_dir() else c).stat().st_mtime)
+    steps = [load_lazily(str(c)).get("global_step", -1) for c in (last, hpc)]
+    return hpc if steps[1] >= steps[0] else last
 
 
 def newest_hpc_checkpoint(root: Path) -> Path | None:
