@@ -117,6 +117,7 @@ class Armed:
 
 
 _armed: Armed | None = None
+_dumped = threading.Event()  # this rank was asked for its dump: the job hung and its process group is broken
 
 
 class HangDump(Callback):
@@ -140,6 +141,12 @@ def arm(directory: Path, rank: int, world: int) -> None:
 def _on_signal(signum: int, frame: Any) -> None:
     if _armed is not None:
         dump(_armed, traceback.extract_stack(frame), timed_out=False, error="")
+        _dumped.set()
+
+
+def job_hung() -> bool:
+    """Another rank timed out and had this one dump: a graceful stop, which needs every rank, cannot happen."""
+    return _dumped.is_set()
 
 
 def dump(armed: Armed, stack: traceback.StackSummary, timed_out: bool, error: str) -> None:
