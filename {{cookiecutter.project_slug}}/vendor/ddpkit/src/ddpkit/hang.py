@@ -46,7 +46,7 @@ from lightning.pytorch.callbacks import Callback
 from .lightning_internals import default_store, flight_recorder_entries
 
 SIGNAL = signal.SIGUSR2  # SIGUSR1 is SLURM's warning before the time limit (requeue.py)
-DUMP_WAIT = 5.0  # s for the signalled ranks' dumps; one takes ~0.1 s (docs/measurements.md, hang)
+DUMP_WAIT = 5.0  # s for the signalled ranks' dumps: they took 0.06-0.07 s (docs/measurements.md, hang report)
 KEEP = 8  # last collectives per rank in a dump
 SCHEMA = 1  # of rank<N>.json, raised when a field's meaning changes
 STORE_KEY = "ddpkit/hang/rank"  # + rank: "host pid"
