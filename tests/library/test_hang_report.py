@@ -2,6 +2,8 @@
 processes: test_faults.py."""
 
 import json
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,3 +38,29 @@ def test_report_names_the_rank_behind_its_line_and_a_rank_without_dump(tmp_path)
     assert f"  rank 0: waits in collective #9 gloo:all_reduce (Timed out); at {TORCH}/autograd/graph.py:5" in text
     assert "  rank 2: no dump (on node1, or blocked outside Python)\n" in text
     assert text.count("was behind") == 1
+
+
+SIGTERM_AFTER_DUMP = """
+import os, signal, sys, time
+from pathlib import Path
+from ddpkit import hang
+from ddpkit.stop import GracefulStop
+
+hang.arm(Path(sys.argv[1]), 0, 1)
+signal.signal(signal.SIGTERM, GracefulStop()._request)  # as in training
+os.kill(os.getpid(), hang.SIGNAL)  # another rank timed out and asks for this one's dump
+os.kill(os.getpid(), signal.SIGTERM)  # torchrun's agent stops the survivors
+time.sleep(5)
+print("still running")
+"""
+
+
+def test_sigterm_after_a_hang_dump_exits_at_once(tmp_path):
+    """A rank that dumped for a hang exits on SIGTERM (143) instead of waiting for a step that never ends (under
+    torchrun the agent would SIGKILL it 30 s later), having written its dump."""
+    result = subprocess.run([sys.executable, "-c", SIGTERM_AFTER_DUMP, str(tmp_path)], capture_output=True,
+                            text=True, timeout=120, check=False)  # fmt: skip
+    assert result.returncode == 143 and "still running" not in result.stdout, result.stderr[-2000:]
+    assert "rank 0: after the hang report, SIGTERM, exiting now" in result.stderr
+    asked = next(n for n, line in enumerate(SIGTERM_AFTER_DUMP.splitlines(), 1) if "hang.SIGNAL" in line)
+    assert RankDump.load(tmp_path / "rank0.json").stack[-1].line == asked  # where the main thread was
