@@ -176,7 +176,7 @@ def last_collectives() -> list[Collective]:
 
 def is_collective_timeout(error: BaseException) -> bool:
     """gloo's timeout ("Timed out waiting 20000ms for recv operation"); NCCL's watchdog kills the rank instead."""
-    return isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+    return isinstance(error, RuntimeError) and "timed out waiting" in str(error).lower()
 
 
 def collect(error: BaseException) -> str | None:
@@ -206,9 +206,12 @@ def signal_peers(armed: Armed) -> list[int]:
     store, host, signalled = default_store(), socket.gethostname(), []
     for rank in range(armed.world):
         key = f"{STORE_KEY}{rank}"
-        if rank == armed.rank or not store.check([key]):
-            continue
-        peer_host, pid = store.get(key).decode().split()
+        try:
+            if rank == armed.rank or not store.check([key]):
+                continue
+            peer_host, pid = store.get(key).decode().split()
+        except torch.distributed.DistError:  # the store's host is gone: the report names who is missing
+            break
         armed.peers[rank] = (peer_host, int(pid))
         if peer_host == host:
             try:
