@@ -16,9 +16,10 @@ flight recorder; `faulthandler.dump_traceback_later` re-armed every step would f
 its timer and costs a call per step. Here nothing runs until a collective times out.
 
 The last collectives come from torch's flight recorder, which records every collective a process issues
-(sequence number per process group, kind) and is on by default in torch 2.13 for gloo and NCCL (2,000 entries;
-TORCH_FR_BUFFER_SIZE=0 switches it off). Under NCCL the watchdog kills a timed-out rank before Python sees an
-exception: torch's own dump on timeout (TORCH_FR_DUMP_TEMP_FILE) is the record there.
+(sequence number per process group, kind); torch 2.13 keeps 2,000 entries by default (measured with gloo;
+TORCH_FR_BUFFER_SIZE=0 switches it off, and the report then says so). Under NCCL the watchdog aborts a timed-out
+rank before Python sees an exception, so none of this runs: torch's own flight-recorder dump on the watchdog's
+timeout (files named by TORCH_FR_DUMP_TEMP_FILE) is the record there (not tested here: no GPUs).
 """
 
 import faulthandler
@@ -27,7 +28,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import sysconfig
 import threading
 import time
@@ -224,7 +224,8 @@ def signal_peers(armed: Armed) -> list[int]:
 
 def report(directory: Path, world: int, peers: dict[int, tuple[str, int]] | None = None) -> str:
     """The summary of the dumps in `directory`: which rank was behind, in which collective, at which line."""
-    dumps = {r: RankDump.load(directory / f"rank{r}.json") for r in range(world) if (directory / f"rank{r}.json").exists()}
+    paths = {r: directory / f"rank{r}.json" for r in range(world)}
+    dumps = {r: RankDump.load(path) for r, path in paths.items() if path.exists()}
     last = {r: d.collectives[-1] for r, d in dumps.items() if d.collectives}
     lines = [f"hang report ({directory / 'report.txt'}):"]
     waiting = [r for r, d in dumps.items() if d.timed_out and r in last]
@@ -245,9 +246,12 @@ def report(directory: Path, world: int, peers: dict[int, tuple[str, int]] | None
             host = (peers or {}).get(r, ("an unknown host",))[0]
             lines.append(f"  rank {r}: no dump (on {host}, or blocked outside Python)")
             continue
-        state = f"waits in collective {last[r]} ({d.error})" if d.timed_out and r in last else (
-            f"last collective {last[r]}" if r in last else "no collective recorded (TORCH_FR_BUFFER_SIZE=0?)"
-        )
+        if r not in last:
+            state = "no collective recorded (TORCH_FR_BUFFER_SIZE=0?)"
+        elif d.timed_out:
+            state = f"waits in collective {last[r]} ({d.error})"
+        else:
+            state = f"last collective {last[r]}"
         lines.append(f"  rank {r}: {state}; at {d.where()}")
     lines.append(f"  every thread's stack: {directory}/rank<N>.stacks.txt")
     return "\n".join(lines) + "\n"
