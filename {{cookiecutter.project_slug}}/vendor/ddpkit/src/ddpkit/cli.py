@@ -31,6 +31,7 @@ from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
+from .hang import HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .predictions import PredictionWriter
 from .processes import (
@@ -224,7 +225,7 @@ class CLI(SubcommandCLI):
         defaults = self.trainer_defaults
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        added = [stop, *requeue, *writer, *lr, RecordVersion(), ResumeLoaderPosition()]
+        added = [stop, *requeue, *writer, *lr, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)
@@ -256,6 +257,10 @@ class CLI(SubcommandCLI):
             if isinstance(error, SystemExit) and not error.code:
                 raise
             traceback.print_exc()
+            # Before anything is killed: where every rank was (hang.py). Takes up to hang.DUMP_WAIT s.
+            report = collect(error) if is_collective_timeout(error) else None
+            if report:
+                sys.stderr.write(report)
             failed = failed_children(wait=2.0)  # a rank that died first explains this rank's failure
             stuck = stop_children()
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
