@@ -38,10 +38,10 @@ class MLFlowLogger(LightningMLFlowLogger):
 
     kind, run_id_argument = "mlflow", "run_id"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, run_id: str | None = None, **kwargs: Any) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # before the client opens the store; others ignore it
-        super().__init__(*args, **kwargs)
-        self.continues = self._run_id is not None
+        super().__init__(*args, run_id=run_id, **kwargs)
+        self.continues = run_id is not None
 
     def log_hyperparams(self, params: Any) -> None:
         # A continued run keeps its first start's params: MLflow refuses to change one (a restart may differ
@@ -64,7 +64,7 @@ class WandbLogger(LightningWandbLogger):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.continues = self._id is not None
+        self.continues = self.version is not None  # `id` or `version` given (no run is started yet)
 
     def log_hyperparams(self, params: Any) -> None:
         if not self.continues:  # as MLFlowLogger's: the run's config is that of its first start
@@ -72,10 +72,12 @@ class WandbLogger(LightningWandbLogger):
 
     def finalize(self, status: str) -> None:
         super().finalize(status)
-        if status != "success" and self._experiment is not None:
+        import wandb
+
+        if status != "success" and wandb.run is not None:  # rank 0's run, once started
             # A stopped job exits without interpreter shutdown (cli.py), which would skip wandb's own finish
             # and lose the records still in flight.
-            self._experiment.finish(exit_code=1)
+            wandb.run.finish(exit_code=1)
 
     def tracker_run_id(self) -> str | None:
         return self.experiment.id
