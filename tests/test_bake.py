@@ -20,6 +20,8 @@ COMMON = {
     "config.yaml",
     "configs/debug.yaml",
     "configs/model_parallel.yaml",
+    "configs/mlflow.yaml",
+    "configs/wandb.yaml",
     "docs/scaling-2cpu.png",
     "main.py",
     "pyproject.toml",
