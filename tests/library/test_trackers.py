@@ -11,7 +11,10 @@ from pathlib import Path
 import early
 import pytest
 import yaml
+from jsonargparse import Namespace
 from procs import TOY, finish, kill, start
+
+from ddpkit.trackers import RUN_IDS, continue_trackers
 
 pytest.importorskip("mlflow", reason="the trackers extra: pip install 'ddpkit[trackers]'")
 pytest.importorskip("wandb", reason="the trackers extra: pip install 'ddpkit[trackers]'")
@@ -131,3 +134,20 @@ def test_wandb_continues_one_run_id_with_steps_monotone(trackers):
     assert lr_steps == list(range(STEPS))
     assert all_steps == sorted(all_steps)  # never back in time, across the restart too
     assert configs[0] > 0 and configs[1] == 0
+
+
+def test_restart_gives_the_saved_ids_only_to_trackers_that_name_no_run(tmp_path):
+    """Parse time: ddpkit's tracker loggers without a run of their own get the saved ids; a run id given on the
+    command line stays; TensorBoard and Lightning's own MLFlowLogger are left alone."""
+    (tmp_path / RUN_IDS).write_text(json.dumps({"mlflow": "m1", "wandb": "w1"}))
+    entries = [
+        ("lightning.pytorch.loggers.TensorBoardLogger", {"version": None}),
+        ("ddpkit.trackers.MLFlowLogger", {"run_id": None}),
+        ("ddpkit.trackers.WandbLogger", {"id": None, "version": None}),
+        ("ddpkit.trackers.WandbLogger", {"id": "mine", "version": None}),
+        ("lightning.pytorch.loggers.MLFlowLogger", {"run_id": None}),
+    ]
+    trainer = Namespace(logger=[Namespace(class_path=c, init_args=Namespace(**a)) for c, a in entries])
+    continue_trackers(trainer, tmp_path)
+    given = [next((v for v in e.init_args.values() if v), None) for e in trainer.logger]
+    assert given == [None, "m1", "w1", "mine", None]
