@@ -32,8 +32,8 @@ class MLFlowLogger(LightningMLFlowLogger):
     """Lightning's MLFlowLogger; given `run_id` it continues that run and leaves the params of its first start.
 
     The default store is MLflow's file store, `./mlruns` (`mlflow ui --backend-store-uri ./mlruns`); MLflow 3.x
-    refuses it unless MLFLOW_ALLOW_FILE_STORE is set, so this sets it. Any other `tracking_uri`
-    (a server, `sqlite:///mlflow.db` with the full `mlflow` package) is MLflow's as usual.
+    refuses it unless MLFLOW_ALLOW_FILE_STORE is set, so this sets it. Any other `tracking_uri` (a server; a
+    database, which needs packages that mlflow-skinny leaves out) is MLflow's as usual.
     """
 
     kind, run_id_argument = "mlflow", "run_id"
