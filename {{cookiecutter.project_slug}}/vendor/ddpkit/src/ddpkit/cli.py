@@ -47,6 +47,7 @@ from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
+from .trackers import SaveTrackerRuns, continue_trackers
 
 # `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
 LIGHTNING_CKPT_PATHS = {"hpc"}
@@ -154,6 +155,8 @@ class CLI(SubcommandCLI):
             match_torchrun(config.get("trainer") or {})
             self.resumed_run = resolve_ckpt_path(config, subcommand)
             place_loggers(config.get("trainer") or {}, self.resumed_run)
+            if self.resumed_run is not None:  # its MLflow / W&B runs continue too
+                continue_trackers(config.get("trainer") or {}, self.resumed_run)
             check_config(config)
         except BadInput as error:
             if rank_label() == "0":  # under torchrun every rank parses: one line is enough
@@ -225,7 +228,8 @@ class CLI(SubcommandCLI):
         defaults = self.trainer_defaults
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        added = [stop, *requeue, *writer, *lr, RecordVersion(), ResumeLoaderPosition(), HangDump()]
+        trackers = [SaveTrackerRuns()] if self.subcommand == "fit" else []  # their run ids, for a restart
+        added = [stop, *requeue, *writer, *lr, *trackers, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)
