@@ -2,6 +2,7 @@
 lengths are exact and whose `read(start)` is the tail of `read(0)`: what the streaming module's promises rest on."""
 
 import json
+import multiprocessing
 import pickle
 
 import pytest
@@ -36,9 +37,15 @@ def _lit_item(i):
 
 @pytest.fixture(scope="module")
 def lit_dir(tmp_path_factory):
-    litdata = pytest.importorskip("litdata")
+    litdata = pytest.importorskip("litdata", reason="not in the template CI's install (requirements.txt says why)")
     out = tmp_path_factory.mktemp("litdata")
-    litdata.optimize(fn=_lit_item, inputs=list(range(N)), output_dir=str(out), chunk_bytes=6000, num_workers=1)
+    # optimize sets the process's start method for good (force=True): put back the one the session had, so
+    # that later tests' DataLoader workers and processes start as before. Forked, its worker imports nothing.
+    method = multiprocessing.get_start_method(allow_none=True)
+    litdata.optimize(
+        fn=_lit_item, inputs=list(range(N)), output_dir=str(out), chunk_bytes=6000, num_workers=1, start_method="fork"
+    )
+    multiprocessing.set_start_method(method, force=True)
     return out
 
 
@@ -136,7 +143,9 @@ def test_hf_streaming_shards(hf):
     """A streaming dataset of 3 files: lengths given, or counted once, are the files' rows."""
     datasets, out = hf
     files = sorted(str(p) for p in out.glob("part-*.jsonl"))
-    stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    stream = datasets.load_dataset(
+        "json", data_files=files, split="train", streaming=True, cache_dir=str(out / "cache")
+    )
     check_shards(sources.hf_shards(stream, lengths=JSONL_SIZES), lambda x: x["id"], JSONL_SIZES)
     check_shards(sources.hf_shards(stream, lengths="count"), lambda x: x["id"], JSONL_SIZES)
 
@@ -145,7 +154,9 @@ def test_hf_streaming_without_lengths_fails(hf):
     """A streaming dataset of several shards whose lengths it cannot know is refused, saying what to pass."""
     datasets, out = hf
     files = sorted(str(p) for p in out.glob("part-*.jsonl"))
-    stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    stream = datasets.load_dataset(
+        "json", data_files=files, split="train", streaming=True, cache_dir=str(out / "cache")
+    )
     with pytest.raises(ValueError, match="lengths='count'"):
         sources.hf_shards(stream)
 
@@ -156,7 +167,7 @@ def test_hf_streaming_length_from_the_dataset_card(hf, tmp_path):
     (tmp_path / "data.jsonl").write_text((out / "part-1.jsonl").read_text())
     card = "---\ndataset_info:\n  splits:\n  - name: train\n    num_examples: 31\n---\n"
     (tmp_path / "README.md").write_text(card)
-    stream = datasets.load_dataset(str(tmp_path), split="train", streaming=True)
+    stream = datasets.load_dataset(str(tmp_path), split="train", streaming=True, cache_dir=str(out / "cache"))
     (shard,) = sources.hf_shards(stream)
     assert len(shard) == 31
     assert [x["id"] for x in shard.read(30)] == [150]
@@ -174,7 +185,9 @@ def test_hf_streaming_shard_whole_in_a_dataloader_worker(hf):
     """Inside a DataLoader worker a streaming shard still yields all its rows (datasets would give a worker
     only its share of the shards when iterated plainly)."""
     datasets, out = hf
-    stream = datasets.load_dataset("json", data_files=str(out / "part-1.jsonl"), split="train", streaming=True)
+    stream = datasets.load_dataset(
+        "json", data_files=str(out / "part-1.jsonl"), split="train", streaming=True, cache_dir=str(out / "cache")
+    )
     (shard,) = sources.hf_shards(stream, lengths=[31])
     loader = DataLoader(_ReadInWorkers(shard), batch_size=None, num_workers=2)
     assert sorted(loader) == sorted(2 * list(range(123, 151)))  # each of the 2 workers reads rows 3..30
