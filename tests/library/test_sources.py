@@ -1,13 +1,16 @@
 """The source adapters (ddpkit.sources) turn LitData, WebDataset and `datasets` data, built here, into shards whose
 lengths are exact and whose `read(start)` is the tail of `read(0)`: what the streaming module's promises rest on."""
 
+import importlib
 import json
 import multiprocessing
 import pickle
+import sys
 
 import pytest
 from torch.utils.data import DataLoader, IterableDataset
 
+import ddpkit
 from ddpkit import sources
 
 N = 301  # samples in every source, numbered 0..N-1 in the order they are written
@@ -25,6 +28,17 @@ def check_shards(shards, sample_id, lengths):
             assert [sample_id(x) for x in shard.read(start)] == ids[start:], (shard.name, start)
     assert [[sample_id(x) for x in s.read()] for s in shards] == full
     assert [[sample_id(x) for x in s.read()] for s in pickle.loads(pickle.dumps(shards))] == full
+
+
+def test_imports_without_the_libraries(monkeypatch):
+    """ddpkit.sources imports with none of the adapters' libraries installed; an adapter then says which is missing."""
+    for name in ("litdata", "webdataset", "braceexpand", "datasets"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+    monkeypatch.delitem(sys.modules, "ddpkit.sources")
+    monkeypatch.setattr(ddpkit, "sources", sources)  # put back after the test, as the new import rebinds it
+    bare = importlib.import_module("ddpkit.sources")
+    with pytest.raises(ImportError, match="litdata"):
+        bare.litdata_shards("data")
 
 
 # LitData ----------------------------------------------------------------------------------------------------------
