@@ -32,7 +32,7 @@ def check_shards(shards, sample_id, lengths):
 
 def test_imports_without_the_libraries(monkeypatch):
     """ddpkit.sources imports with none of the adapters' libraries installed; an adapter then says which is missing."""
-    for name in ("litdata", "webdataset", "braceexpand", "datasets"):
+    for name in ("litdata", "webdataset", "datasets"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
     monkeypatch.delitem(sys.modules, "ddpkit.sources")
     monkeypatch.setattr(ddpkit, "sources", sources)  # put back after the test, as the new import rebinds it

@@ -2,21 +2,24 @@
 
 Each function returns a `list` of shards for `StreamingDataModule.train_shards()` (streaming.py): objects with
 a `name`, a `len()` known before reading and `read(start)`, the samples from index `start` on in the same order
-on every call. The streaming module keeps its promises (the global batch on any device count, each sample of an
-epoch once over the ranks, the same steps on every rank, exact resume on the same or another device count) for
-any shard whose length is exact and whose `read(start)` is the tail of `read(0)`. What differs between sources:
+on every call. The streaming module's promises rest on two properties of the shards, and on nothing else:
+- exact lengths, before reading: the epoch is cut into equal steps from them, so every sample of an epoch is
+  seen once over the ranks (exactly-once) and every rank takes the same steps (equal steps);
+- `read(start)` is the tail of `read(0)`: a resume continues at the sample where it stopped, on the same or
+  another device count (exact resume), and a stream can start inside a shard.
+Each source below has both, so each keeps all four promises; what differs is what they cost:
 
-| source                      | lengths                                 | read(start)                | promises  |
-|-----------------------------|-----------------------------------------|----------------------------|-----------|
-| `litdata_shards`            | exact, from index.json                  | random access (in a chunk) | all       |
-| `webdataset_shards`         | counted once (one pass), or given       | reads through `start`      | all       |
-| `hf_shards`, `Dataset`      | exact                                   | random access (Arrow)      | all       |
-| `hf_shards`, streaming      | given, counted once, or the split's     | reads through `start`      | all, once |
-|   `IterableDataset`         | size if one shard; else it fails        |                            | lengths   |
+| source                          | lengths                                   | read(start)                      |
+|---------------------------------|-------------------------------------------|----------------------------------|
+| `litdata_shards`                | exact, from the dataset's index.json      | random access within the chunk   |
+| `webdataset_shards`             | counted once (one pass per file), or given | reads through the first `start`  |
+| `hf_shards`, `Dataset`          | exact                                     | random access (memory-mapped)    |
+| `hf_shards`, `IterableDataset`  | given, or counted once; else refused      | reads through the first `start`  |
 
-"Reads through": a resume, or a stream that starts inside such a shard, is exact but costs reading that part.
-Without exact lengths no promise can be kept (the epoch cannot be cut into equal steps before reading), so
-`hf_shards` refuses a streaming dataset whose lengths it cannot know rather than guess.
+"Reads through": a resume, or a stream that starts inside such a shard (at most one per stream and epoch), is
+exact but costs reading that part of the shard. A source whose lengths cannot be known keeps none of the
+promises (the epoch cannot be cut into equal steps before reading: a rank runs out first and the others hang
+in a collective, or samples repeat), so `hf_shards` refuses such a streaming dataset rather than guess.
 
 The libraries are imported inside the functions: ddpkit imports without them (`pip install ddpkit[sources]`
 installs the pinned three).
@@ -49,8 +52,8 @@ def litdata_shards(input_dir: str | Path) -> list["LitDataChunk"]:
 
 
 class _LitDataReader:
-    """One LitData `StreamingDataset` per process, shared by the chunks of a directory; made on first read
-    (it opens files and threads, which neither pickle to DataLoader workers nor survive a fork)."""
+    """One LitData `StreamingDataset` for the chunks of a directory, made on first read in the process that
+    reads: a spawned DataLoader worker gets the directory's name, not the parent's open reader."""
 
     def __init__(self, input_dir: str) -> None:
         self.input_dir = input_dir
@@ -93,8 +96,8 @@ def webdataset_shards(
     lengths: Mapping[str, int] | None = None,
     transform: Callable[[dict], Any] | None = None,
 ) -> list["TarShard"]:
-    """One shard per WebDataset tar file, in the given order (a brace pattern such as "data-{000..009}.tar"
-    expands as WebDataset expands it).
+    """One shard per WebDataset tar file, in the given order (a pattern such as "data-{000..009}.tar" expands
+    as WebDataset expands it).
 
     A sample is what WebDataset yields before decoding: a dict of the member files' bytes by extension, with
     `__key__` and `__url__`; `transform` (e.g. `webdataset.autodecode.Decoder(...)` or your own function) is
@@ -108,14 +111,14 @@ def webdataset_shards(
     but costs the read of that part of the file.
 
     Args:
-        urls: Tar files: paths, URLs WebDataset opens ("pipe:..." commands too), or one brace pattern.
+        urls: Tar files: paths, URLs WebDataset opens ("pipe:..." commands too), or one pattern.
         lengths: Samples in each shard, by shard name; counted when not given.
         transform: Applied to each sample dict.
     """
-    import braceexpand  # a dependency of webdataset, which expands brace patterns with it
+    from webdataset.shardlists import expand_urls
 
     if isinstance(urls, (str, Path)):
-        urls = list(braceexpand.braceexpand(str(urls)))
+        urls = expand_urls(str(urls))  # as `webdataset.WebDataset(urls)` expands them
     shards = [TarShard(str(url), transform=transform) for url in urls]
     for shard in shards:
         shard.length = lengths[shard.name] if lengths is not None else shard.count()
