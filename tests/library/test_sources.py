@@ -205,3 +205,45 @@ def test_hf_streaming_shard_whole_in_a_dataloader_worker(hf):
     (shard,) = sources.hf_shards(stream, lengths=[31])
     loader = DataLoader(_ReadInWorkers(shard), batch_size=None, num_workers=2)
     assert sorted(loader) == sorted(2 * list(range(123, 151)))  # each of the 2 workers reads rows 3..30
+
+
+# Through the streaming module -------------------------------------------------------------------------------------
+
+
+def _source(name, request):
+    """(shards, sample id) of one source built by the fixtures above."""
+    if name == "litdata":
+        return sources.litdata_shards(request.getfixturevalue("lit_dir")), lambda x: x["id"]
+    if name == "webdataset":
+        return sources.webdataset_shards(request.getfixturevalue("tars")), _tar_id
+    datasets, out = request.getfixturevalue("hf")
+    files = sorted(str(p) for p in out.glob("part-*.jsonl"))
+    stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True, cache_dir=str(out / "c"))
+    return sources.hf_shards(stream, lengths=JSONL_SIZES), lambda x: x["id"]
+
+
+@pytest.mark.parametrize("name", ["litdata", "webdataset", "datasets"])
+def test_through_the_stream_loader(name, request):
+    """Through the streaming module's loader, 2 ranks' shares of each step make 1 rank's global batch, every
+    sample at most once, and a resume on 2 ranks from 1 rank's checkpoint continues with the same batches."""
+    streaming = pytest.importorskip("ddpkit.streaming", reason="the streaming module is not in this tree yet")
+    shards, sample_id = _source(name, request)
+
+    def loader(world, rank):
+        return streaming.StreamLoader(
+            shards, streams=4, global_batch_size=8, world_size=world, rank=rank, micro_batch_size=8 // world,
+            seed=3, collate_fn=lambda batch: [sample_id(x) for x in batch],
+        )  # fmt: skip
+
+    one = list(loader(1, 0))
+    assert len(one) == N // 8
+    assert len(set(sum(one, []))) == len(one) * 8
+    assert [a + b for a, b in zip(*(list(loader(2, rank)) for rank in range(2)), strict=True)] == one
+    first = loader(1, 0)
+    steps = iter(first)
+    for _ in range(5):
+        next(steps)
+    resumed = [loader(2, rank) for rank in range(2)]
+    for rank_loader in resumed:
+        rank_loader.load_state_dict(first.state_dict())
+    assert [a + b for a, b in zip(*map(list, resumed), strict=True)] == one[5:]
