@@ -67,7 +67,7 @@ def test_litdata_chunks_are_shards(lit_dir):
     """One shard per chunk of `litdata.optimize`'s output, each as long as index.json says."""
     chunks = json.loads((lit_dir / "index.json").read_text())["chunks"]
     lengths = [chunk["chunk_size"] for chunk in chunks]
-    assert len(set(lengths)) > 2  # unequal chunks: the test would not see an offset off by one chunk otherwise
+    assert len(set(lengths)) > 2  # unequal chunks: with equal ones a first index of chunk x size would pass
     shards = sources.litdata_shards(lit_dir)
     assert [s.name for s in shards] == [chunk["filename"] for chunk in chunks]
     check_shards(shards, lambda x: x["id"], lengths)
