@@ -133,6 +133,13 @@ GENERATED = {
         "python main.py fit --doctor.enabled false" + FEW, absent=["Scaling doctor"]
     ),
     'pip install -e ".[scaling]"': Run(),
+    'pip install -e ".[trackers]"': Run(),
+    "python main.py fit --config configs/mlflow.yaml": Run(
+        "python main.py fit --config configs/mlflow.yaml" + FEW, ["Experiment with name lightning_logs not found"]
+    ),
+    "WANDB_MODE=offline python main.py fit --config configs/wandb.yaml": Run(
+        "WANDB_MODE=offline python main.py fit --config configs/wandb.yaml" + FEW, ["wandb sync wandb/offline-run-"]
+    ),
     "python -m ddpkit.scaling --devices 1 2 4 --max-steps 300": Run(
         "python -m ddpkit.scaling --devices 1 2 --max-steps 20", [SWEEP_HEADER, "written: "]
     ),

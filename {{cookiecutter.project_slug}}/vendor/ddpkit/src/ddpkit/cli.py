@@ -31,6 +31,7 @@ from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
+from .hang import HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .predictions import PredictionWriter
 from .processes import (
@@ -46,6 +47,7 @@ from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
+from .trackers import SaveTrackerRuns, continue_trackers
 
 # `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
 LIGHTNING_CKPT_PATHS = {"hpc"}
@@ -153,6 +155,8 @@ class CLI(SubcommandCLI):
             match_torchrun(config.get("trainer") or {})
             self.resumed_run = resolve_ckpt_path(config, subcommand)
             place_loggers(config.get("trainer") or {}, self.resumed_run)
+            if self.resumed_run is not None:  # its MLflow / W&B runs continue too
+                continue_trackers(config.get("trainer") or {}, self.resumed_run)
             check_config(config)
         except BadInput as error:
             if rank_label() == "0":  # under torchrun every rank parses: one line is enough
@@ -224,7 +228,8 @@ class CLI(SubcommandCLI):
         defaults = self.trainer_defaults
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        added = [stop, *requeue, *writer, *lr, RecordVersion(), ResumeLoaderPosition()]
+        trackers = [SaveTrackerRuns()] if self.subcommand == "fit" else []  # their run ids, for a restart
+        added = [stop, *requeue, *writer, *lr, *trackers, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)
@@ -256,6 +261,10 @@ class CLI(SubcommandCLI):
             if isinstance(error, SystemExit) and not error.code:
                 raise
             traceback.print_exc()
+            # Before anything is killed: where every rank was (hang.py). Takes up to hang.DUMP_WAIT s.
+            report = collect(error) if is_collective_timeout(error) else None
+            if report:
+                sys.stderr.write(report)
             failed = failed_children(wait=2.0)  # a rank that died first explains this rank's failure
             stuck = stop_children()
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
