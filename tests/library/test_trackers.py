@@ -42,9 +42,10 @@ ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 @early.early("trackers")
 def tracker_runs(base: Path) -> dict:
     """The job started, stopped by SIGTERM to its launcher once step 6 is reached, then restarted with the same
-    command plus `--ckpt_path last`. Returns both exit statuses and outputs."""
+    command (`--ckpt_path auto`: a new run the first time, the stopped one's continuation the second). Returns both
+    exit statuses and outputs."""
     marker = base / "step_reached"
-    command = [*COMMAND, "--model.marker", str(marker)]
+    command = [*COMMAND, "--model.marker", str(marker), "--ckpt_path", "auto"]
     first = start(command, base, ENV)
     deadline = time.monotonic() + 240
     while first.poll() is None and not marker.exists() and time.monotonic() < deadline:
@@ -55,7 +56,7 @@ def tracker_runs(base: Path) -> dict:
         stopped = finish(first, timeout=120)
     finally:
         kill(first)  # no rank outlives the stop
-    restarted = finish(start([*command, "--ckpt_path", "last"], base, ENV), timeout=300)
+    restarted = finish(start(command, base, ENV), timeout=300)
     return {"base": base, "stopped": stopped, "restarted": restarted}
 
 

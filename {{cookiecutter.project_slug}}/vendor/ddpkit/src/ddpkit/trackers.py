@@ -1,7 +1,7 @@
 """MLflow and Weights & Biases loggers whose run continues when a stopped job restarts.
 
 A tracker gives each run an id of its own; Lightning's loggers start a new one at every start, so a job
-stopped by SIGTERM and restarted with `--ckpt_path last` would leave one tracker run per restart. Here rank 0
+stopped by SIGTERM and restarted with `--ckpt_path auto` would leave one tracker run per restart. Here rank 0
 writes the trackers' run ids next to the run's checkpoints (`tracker_runs.json`, `SaveTrackerRuns`), and the
 CLI hands them back to these loggers when it continues that run (`continue_trackers`): one tracker run,
 its steps going on from the checkpoint's. Only rank 0 logs (Lightning gives the other ranks a dummy).
