@@ -2,7 +2,8 @@
 
 - cluster/torchrun.sh as two local agents (two "nodes", one process each, c10d rendezvous on localhost): one
   agent's process is killed in epoch 1, after epoch 0's checkpoint; torchrun restarts both, `--ckpt_path auto`
-  resumes, and the job ends with the weights of an uninterrupted 2-process run, in one log directory.
+  resumes, and the job ends with the weights of an uninterrupted 2-process run, in one log directory and one
+  MLflow run.
 - cluster/trainjob.yaml (Kubeflow Trainer's TrainJob) is valid by the Trainer's published API models, and its
   command, run as the `torch-distributed` runtime runs it (two agents with the PET_* variables the runtime
   sets), trains to one device's weights. That run is also the uninterrupted 2-process run of the first check.
@@ -10,6 +11,7 @@ The three runs share one launch each, started together (most of each is start-up
 """
 
 import copy
+import json
 import os
 import re
 import signal
@@ -85,7 +87,8 @@ def elastic_job(root: Path) -> tuple[list[int], str, Path]:
     env = {"NNODES": "2", "GPUS_PER_NODE": "1", "RDZV_ENDPOINT": f"localhost:{port}", "RDZV_ID": f"elastic{port}"}
     marker = root / "marker"
     cmd = ["bash", str(CLUSTER / "torchrun.sh"), *FIT, "--model.step_sleep", "0.5", "--model.marker", str(marker)]
-    cmd += ["--trainer.default_root_dir", str(root / "run")]
+    # MLflow beside TensorBoard, its file store in the agents' directory (root/mlruns): one run across the restart.
+    cmd += ["--trainer.default_root_dir", str(root / "run"), "--trainer.logger+=ddpkit.trackers.MLFlowLogger"]
     procs = agents(cmd, root, [env, env])
     deadline = time.monotonic() + TIMEOUT
     while not marker.exists() and time.monotonic() < deadline and procs[1].poll() is None:
@@ -150,6 +153,22 @@ def test_killed_node_process_restarts_and_ends_with_uninterrupted_weights(jobs):
     uninterrupted = last(jobs["trainjob"][2])
     assert last(root)["global_step"] == uninterrupted["global_step"] == 2 * STEPS_PER_EPOCH
     assert max_abs(last(root)["state_dict"], uninterrupted["state_dict"]) == 0.0
+    # One tracker run: rank 0's, continued by the restart (its id saved beside the checkpoints), the restarted
+    # epoch's validation logged into it, every metric's steps monotone. The steps between the checkpoint and the
+    # kill ran twice and are logged twice, with the same values (the replay is the same float64 training).
+    ids = json.loads((root / "lightning_logs/version_0/tracker_runs.json").read_text())
+    metas = [yaml.safe_load(p.read_text()) for p in (root.parent / "mlruns").glob("*/*/meta.yaml")]
+    assert [m["run_id"] for m in metas] == [ids["mlflow"]]
+    (run,) = (root.parent / "mlruns").glob(f"*/{ids['mlflow']}")
+    metrics = [m for m in (run / "metrics").rglob("*") if m.is_file()]  # "val/loss" is metrics/val/loss
+    points = {
+        str(m.relative_to(run / "metrics")): [line.split()[1:] for line in m.read_text().splitlines()] for m in metrics
+    }  # fmt: skip  (timestamp value step)
+    steps = {name: [int(step) for _, step in p] for name, p in points.items()}
+    assert all(s == sorted(s) for s in steps.values()), steps
+    for name, p in points.items():  # one value per step
+        assert len({(value, step) for value, step in p}) == len({step for _, step in p}), (name, p)
+    assert len(steps["val/loss"]) == 2 and steps["val/loss"][-1] >= 2 * STEPS_PER_EPOCH - 1, steps
 
 
 def test_trainjob_command_on_two_nodes_trains_one_device_weights(jobs):
