@@ -8,6 +8,7 @@ with status 2, like an unknown flag does.
 
 import inspect
 import os
+import re
 import sys
 import traceback
 import zipfile
@@ -155,8 +156,9 @@ class CLI(SubcommandCLI):
             match_torchrun(config.get("trainer") or {})
             self.resumed_run = resolve_ckpt_path(config, subcommand)
             place_loggers(config.get("trainer") or {}, self.resumed_run)
-            if self.resumed_run is not None:  # its MLflow / W&B runs continue too
-                continue_trackers(config.get("trainer") or {}, self.resumed_run)
+            run = self.resumed_run or requeued_run(config.get("trainer") or {}, config.get("ckpt_path"))
+            if run is not None:  # its MLflow / W&B runs continue too
+                continue_trackers(config.get("trainer") or {}, run)
             check_config(config)
         except BadInput as error:
             if rank_label() == "0":  # under torchrun every rank parses: one line is enough
@@ -347,6 +349,18 @@ def place_loggers(trainer: Any, resumed_run: Path | None) -> None:
             version = next_version(directory)
         for args in group:
             args.version = version
+
+
+def requeued_run(trainer: Any, ckpt_path: str | None) -> Path | None:
+    """The log directory of a requeued SLURM job that resumes its requeue checkpoint (`hpc_ckpt_N.ckpt`, which
+    `--ckpt_path auto` picks): place_loggers named it after the job id, which the requeue keeps."""
+    job = SLURMEnvironment.job_id()
+    if job is None or not ckpt_path or not re.fullmatch(r"hpc_ckpt_\d+\.ckpt", Path(ckpt_path).name):
+        return None
+    for args in logger_init_args(trainer):
+        if args.get("version") == job and args.get("save_dir") is not None:
+            return Path(args.save_dir) / (args.get("name") or "") / f"version_{job}"
+    return None
 
 
 def next_version(directory: Path) -> int:
