@@ -11,6 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
 from ddpkit.toy import blobs
@@ -113,3 +114,25 @@ class SlowShards(StreamingDataModule):
     def train_shards(self) -> list[_SlowShard]:
         samples = list(blobs(1079, seed=0))
         return [_SlowShard(f"blobs{i}", samples[i::16], self.sample_delay_ms / 1000) for i in range(16)]
+
+
+class _BlobStream(IterableDataset):
+    """The toy's training blobs as a stream that knows nothing of ranks, as users first write one."""
+
+    def __iter__(self):
+        yield from blobs(1079, seed=0)
+
+
+class PlainStream(L.LightningDataModule):
+    """The stream in a plain LightningDataModule: every rank reads all of it.
+
+    Args:
+        batch_size: Samples per device and step.
+    """
+
+    def __init__(self, batch_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_BlobStream(), self.batch_size)
