@@ -107,7 +107,7 @@ class SlowShards(StreamingDataModule):
         num_workers: Loader workers per device.
     """
 
-    def __init__(self, sample_delay_ms: float = 4.0, global_batch_size: int = 16, num_workers: int = 2) -> None:
+    def __init__(self, sample_delay_ms: float = 8.0, global_batch_size: int = 16, num_workers: int = 2) -> None:
         super().__init__(global_batch_size, num_workers=num_workers, streams=8)
         self.sample_delay_ms = sample_delay_ms
 
