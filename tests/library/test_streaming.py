@@ -9,11 +9,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from procs import concurrently, finish, start
 from streams import SIZES, write_shards
+from torch.utils.data import IterableDataset
 
+from ddpkit import GlobalBatchDataModule
 from ddpkit.parity import load_weights, max_abs
 from ddpkit.streaming import StreamLoader, shard_files
 
@@ -168,3 +171,57 @@ def test_loader_splits_each_global_batch_by_rank_and_resumes_on_other_device_cou
         assert [sum(parts, []) for parts in zip(*ranks, strict=True)] == one  # rank r: the r-th slice
         resumed = [batches(world, r, done=5) for r in range(world)]
         assert [sum(parts, []) for parts in zip(*resumed, strict=True)] == one[5:]
+
+
+def test_local_shards_of_each_format_read_from_any_start(tmp_path):
+    """.pt (a dict of tensors), .npy and .jsonl shards: their length before reading, and read(start) yields the
+    samples from `start` on, in order; shard_files lists a folder's shards by name."""
+    torch.save({"a": torch.arange(5), "b": torch.arange(5) * 10}, tmp_path / "0.pt")
+    np.save(tmp_path / "1.npy", np.arange(12).reshape(6, 2))
+    (tmp_path / "2.jsonl").write_text("".join(json.dumps({"i": i}) + "\n" for i in range(4)))
+    pt, npy, jsonl = shard_files(tmp_path)
+    assert [len(pt), len(npy), len(jsonl)] == [5, 6, 4] and [pt.name, npy.name, jsonl.name] == [
+        "0.pt",
+        "1.npy",
+        "2.jsonl",
+    ]
+    assert [(s["a"].item(), s["b"].item()) for s in pt.read(3)] == [(3, 30), (4, 40)]
+    assert [s.tolist() for s in npy.read(4)] == [[8, 9], [10, 11]]
+    assert list(jsonl.read(2)) == [{"i": 2}, {"i": 3}]
+
+
+def test_a_shard_shorter_than_its_length_is_named(tmp_path):
+    """A shard whose read() ends before len() samples fails the epoch naming the shard, not with a short batch."""
+
+    class Short:
+        name = "short-shard"
+
+        def __len__(self):
+            return 40
+
+        def read(self, start=0):
+            return iter(range(start, 30))
+
+    loader = StreamLoader([Short()], streams=1, global_batch_size=8, world_size=1, rank=0, micro_batch_size=8, seed=0)
+    with pytest.raises(
+        ValueError, match="shard short-shard says it holds 40 samples, but its read\\(\\) ended after 30"
+    ):
+        list(loader)
+
+
+def test_global_batch_module_given_an_iterable_dataset_points_to_streaming():
+    """A GlobalBatchDataModule whose train_dataset() is an IterableDataset fails in setup with one line that
+    names the streaming module, instead of `object of type ... has no len()`."""
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(10)
+
+    class Data(GlobalBatchDataModule):
+        def train_dataset(self):
+            return Stream()
+
+    with pytest.raises(
+        TypeError, match="returned Stream, an iterable dataset: .* ddpkit.streaming.StreamingDataModule"
+    ):
+        Data(global_batch_size=2).setup("fit")
