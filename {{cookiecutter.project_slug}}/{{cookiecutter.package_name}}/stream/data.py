@@ -8,6 +8,7 @@ the same number of steps on every rank, and resumes mid-epoch where it stopped.
 """
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,6 +17,9 @@ from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
 from ..digits.data import DigitsDataModule
 
 SPLITS = ("train", "val", "test")
+# The project's folder (this file is <project>/<package>/stream/data.py): every run finds the same shards,
+# whatever its working directory (the guarantee suite runs each in its own).
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def write_shards(samples, directory: Path, mean_size: int, seed: int = 0) -> None:
@@ -39,7 +43,7 @@ class DigitShards(StreamingDataModule):
         micro_batch_size: Samples per forward pass on one device (None: its whole share).
         num_workers: Loader worker processes per device, each reading whole streams.
         streams: Read positions in each epoch's shard order; every device count you use must divide it.
-        shard_dir: Where the shards are written (once) and read from.
+        shard_dir: Where the shards are written (once) and read from; None: data/digit-shards in the project.
         shard_size: Mean samples per shard (sizes vary from half to 1.5 times it).
     """
 
@@ -49,12 +53,13 @@ class DigitShards(StreamingDataModule):
         micro_batch_size: int | None = None,
         num_workers: int = 0,
         streams: int = 8,
-        shard_dir: str = "data/digit-shards",
+        shard_dir: str | None = None,
         shard_size: int = 100,
     ) -> None:
         super().__init__(global_batch_size, micro_batch_size, num_workers, streams)
         self.save_hyperparameters()
-        self.shard_dir, self.shard_size = Path(shard_dir), shard_size
+        self.shard_dir = Path(shard_dir) if shard_dir else PROJECT / "data" / "digit-shards"
+        self.shard_size = shard_size
 
     def prepare_data(self) -> None:
         # Once per node, before any process reads: written beside the final folder and renamed, so that a run
@@ -65,7 +70,12 @@ class DigitShards(StreamingDataModule):
         digits = DigitsDataModule()
         for split, samples in zip(SPLITS, digits.splits(), strict=True):
             write_shards(samples, partial / split, self.shard_size)
-        partial.rename(self.shard_dir)
+        try:
+            partial.rename(self.shard_dir)
+        except OSError:  # another run wrote the same shards first
+            shutil.rmtree(partial)
+            if not self.shard_dir.is_dir():
+                raise
 
     def train_shards(self) -> list[LocalShard]:
         return shard_files(self.shard_dir / "train")
