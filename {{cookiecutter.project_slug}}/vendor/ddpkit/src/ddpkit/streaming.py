@@ -126,6 +126,9 @@ def shard_files(paths: str | Path | Sequence[str | Path], pattern: str = "*") ->
             raise FileNotFoundError(f"no {'/'.join(LocalShard.SUFFIXES)} shards matching {pattern!r} in {paths}")
     else:
         files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"no shard folder or file {missing[0]} (write shards before setup: prepare_data)")
     return [LocalShard(p) for p in sorted(files, key=lambda p: p.name)]
 
 
