@@ -98,6 +98,10 @@ GENERATED = {
     "python -m ddpkit.parity runs/one/lightning_logs/version_0 runs/eight/lightning_logs/version_0": Run(
         expect=["PASS: worst max_rel"]
     ),
+    "python main.py fit --ckpt_path auto": Run("python main.py fit --ckpt_path auto" + FEW, ["fit: --ckpt_path auto"]),
+    "kubectl apply -f cluster/trainjob.yaml": Elsewhere(
+        "tests/library/test_cluster_restarts.py::test_trainjob_command_on_two_nodes_trains_one_device_weights"
+    ),
     "sbatch cluster/slurm.sbatch": Scheduler(2, ["num_nodes: 2", "devices: '4'", "slurm_requeue: true"]),
     "sbatch --nodes 4 cluster/slurm.sbatch --config configs/model_parallel.yaml": Scheduler(
         4, ["num_nodes: 4", "slurm_requeue: true", "ModelParallelStrategy", "default_root_dir: runs/slurm-4242"]
@@ -135,6 +139,13 @@ GENERATED = {
         "python main.py fit --doctor.enabled false" + FEW, absent=["Scaling doctor"]
     ),
     'pip install -e ".[scaling]"': Run(),
+    'pip install -e ".[trackers]"': Run(),
+    "python main.py fit --config configs/mlflow.yaml": Run(
+        "python main.py fit --config configs/mlflow.yaml" + FEW, ["Experiment with name lightning_logs not found"]
+    ),
+    "WANDB_MODE=offline python main.py fit --config configs/wandb.yaml": Run(
+        "WANDB_MODE=offline python main.py fit --config configs/wandb.yaml" + FEW, ["wandb sync wandb/offline-run-"]
+    ),
     "python -m ddpkit.scaling --devices 1 2 4 --max-steps 300": Run(
         "python -m ddpkit.scaling --devices 1 2 --max-steps 20", [SWEEP_HEADER, "written: "]
     ),

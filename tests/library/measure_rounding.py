@@ -1,9 +1,9 @@
 """Measure how far summation order alone moves a model's float64 weights, beside 1 vs 2 devices (not a test).
 
-    python tests/library/measure_rounding.py families.GroupNormCNN 0 1 2 [--model.x y ...]
+    python tests/library/measure_rounding.py families.GroupNormCNN 0 1 2 [--fp32] [--model.x y ...]
 
 For each seed: 1 device, 1 device x 4 micro-batches and 1 device with reversed batches (the suite's rounding
-references), 2 devices, all float64, 2 epochs of test_model_families.py's data; prints per seed 1 vs 2 devices,
+references), 2 devices, all float64 (float32 with --fp32), 2 epochs of test_model_families.py's data; prints per seed 1 vs 2 devices,
 each rounding reference (check_parity.rounding), the factor 1 vs 2 needs over it, and the tensors that pass only
 at rounding level.
 The numbers behind ROUNDING_FACTOR in ddpkit/testing/check_parity.py (docs/measurements.md).
@@ -24,11 +24,11 @@ HERE = Path(__file__).resolve().parent
 DATA = ["--data", "families.SmallToyData", "--data.global_batch_size", "32", "--data.train_size", "128"]
 
 
-def fit(root: Path, model: str, seed: int, devices: int, extra: list[str]) -> Path:
-    """One float64 fit of `model` under `root`; returns its last checkpoint."""
+def fit(root: Path, model: str, seed: int, devices: int, extra: list[str], precision: str = "64-true") -> Path:
+    """One fit of `model` under `root` in `precision`; returns its last checkpoint."""
     cmd = [sys.executable, "-m", "ddpkit.toy", "fit", "--model", model, *DATA]
     cmd += ["--seed_everything", str(seed), "--trainer.devices", str(devices), "--trainer.accelerator", "cpu"]
-    cmd += ["--trainer.precision", "64-true", "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
+    cmd += ["--trainer.precision", precision, "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
     cmd += ["--doctor.enabled", "false", "--trainer.default_root_dir", str(root), *extra]
     result = finish(start(cmd, HERE, {"PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -50,26 +50,28 @@ class Checkpoint:
 
 
 def main() -> None:
-    model, seeds, extra = sys.argv[1], [], []
-    for arg in sys.argv[2:]:
+    args = sys.argv[1:]
+    tag, precision = ("fp32", "32-true") if "--fp32" in args else ("fp64", "64-true")
+    model, seeds, extra = args[0], [], []
+    for arg in (a for a in args[1:] if a != "--fp32"):
         (seeds if arg.isdigit() and not extra else extra).append(arg)
     base = Path(tempfile.mkdtemp(prefix="rounding-"))
     for seed in map(int, seeds):
         runs = {
-            "1dev-fp64": (1, extra),
-            "1dev-acc4-fp64": (1, [*extra, "--data.micro_batch_size", "8"]),
-            "1dev-reversed-fp64": (1, [*extra, "--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"]),
+            f"1dev-{tag}": (1, extra),
+            f"1dev-acc4-{tag}": (1, [*extra, "--data.micro_batch_size", "8"]),
+            f"1dev-reversed-{tag}": (1, [*extra, "--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"]),
             "2": (2, extra),
         }
         with ThreadPoolExecutor(len(runs)) as pool:
-            paths = {n: pool.submit(fit, base / f"{seed}-{n}", model, seed, *runs[n]) for n in runs}
+            paths = {n: pool.submit(fit, base / f"{seed}-{n}", model, seed, *runs[n], precision) for n in runs}
         runs = {name: Checkpoint(path.result()) for name, path in paths.items()}
-        ddp = weight_diffs(runs["1dev-fp64"].weights(), runs["2"].weights())
+        ddp = weight_diffs(runs[f"1dev-{tag}"].weights(), runs["2"].weights())
         print(
             f"{model} seed {seed}: 1 vs 2 worst max_rel {ddp[0].max_rel:.3g}, max_abs {max(d.max_abs for d in ddp):.3g}"
         )
         for how, micro in (("4 micro-batches", 8), ("reversed batches", None)):
-            ref = rounding(runs, {"micro_batch_size": micro})
+            ref = rounding(runs, {"micro_batch_size": micro}, tag)
             # The factor each tensor needs to pass on max_rel or at rounding level (fixed bound ignored); the worst.
             needed = max(min(ratio(d.max_rel, ref.max_rel), ratio(d.max_abs, ref.max_abs)) for d in ddp)
             level = ROUNDING_FACTOR * ref.max_abs

@@ -217,6 +217,28 @@ def test_ckpt_path_last_and_best_become_files(tmp_path):
     assert resolve_ckpt_path(config, "fit") is None and config["ckpt_path"] == str(last)  # a file stays a file
 
 
+def test_ckpt_path_auto_resumes_the_furthest_checkpoint_or_starts(tmp_path, capsys):
+    """`fit --ckpt_path auto` starts a new run (one line says so) when the root holds no complete checkpoint, then
+    resumes the newest last.ckpt (continuing its run directory), or a SLURM requeue's hpc_ckpt_N.ckpt when that is
+    as far in training (the stopped job's last.ckpt of the same step, written after it, counts its epoch as done);
+    it is refused for evaluation, which has nothing to restart."""
+    config = {"ckpt_path": "auto", "trainer": {"default_root_dir": str(tmp_path)}}
+    assert resolve_ckpt_path(config, "fit") is None and config["ckpt_path"] is None
+    started = f"fit: --ckpt_path auto: no complete checkpoint under {tmp_path}; starting a new run\n"
+    assert capsys.readouterr().err == started
+    save(tmp_path / "hpc_ckpt_1.ckpt", 50, global_step=20)  # a requeue's, resumed since, and a node failure later
+    last = save(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", 100, global_step=32)
+    config = {"ckpt_path": "auto", "trainer": {"default_root_dir": str(tmp_path)}}
+    assert resolve_ckpt_path(config, "fit") == tmp_path / "lightning_logs/version_0"
+    assert config["ckpt_path"] == str(last) and capsys.readouterr().err == f"fit: --ckpt_path auto is {last}\n"
+    hpc = save(tmp_path / "hpc_ckpt_2.ckpt", 90, global_step=32)  # the next requeue's: older file, same step
+    save(tmp_path / "hpc_ckpt_10.ckpt", 150).write_bytes(b"torn")  # the highest number, but not a whole file
+    config = {"ckpt_path": "auto", "trainer": {"default_root_dir": str(tmp_path)}}
+    assert resolve_ckpt_path(config, "fit") is None and config["ckpt_path"] == str(hpc)  # SLURM's job id keeps the logs
+    with pytest.raises(BadInput, match="--ckpt_path auto is for fit"):
+        resolve_ckpt_path({"ckpt_path": "auto", "trainer": {"default_root_dir": str(tmp_path)}}, "validate")
+
+
 AUTO = {"devices": "auto", "num_nodes": 1}
 GIVEN = {"devices": "4", "num_nodes": 2}
 

@@ -1,7 +1,8 @@
-"""Faults in a 2-process job: it ends non-zero, names the rank, leaves no process behind, and keeps its checkpoints.
+"""Faults in a 2-process job: it ends non-zero, names the rank, leaves no process behind, and keeps its checkpoints;
+a hang says where each rank was.
 
 The scenarios are the ones `python -m ddpkit.faults` runs (ddpkit.toy.FaultyClassifier injects them); the
-process-group timeout is 20 s here instead of 300 s.
+process-group timeout is 20 s here instead of 300 s, 10 s for the hangs (all they do is wait for it).
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +13,18 @@ import pytest
 import torch
 from procs import concurrently, toy_ok
 
+from ddpkit import toy
 from ddpkit.faults import checkpoint_ok, run_scenario
+from ddpkit.hang import RankDump
 from ddpkit.parity import max_abs
 
 TIMEOUT = 20  # --dist_timeout of the runs
-BOUND = TIMEOUT + 40  # generous: start-up of a rank on a loaded 2-core machine takes seconds
-SCENARIOS = ["raise", "exit", "hang", "sigterm", "sigterm-rank1", "sigint", "kill9", "kill9-epoch1"]
+HANG_TIMEOUT = 10  # of the hangs; a step of the toy takes milliseconds, far below it even on a loaded runner
+# Seconds from the fault to the job's end past its timeout. Generous: start-up of a rank on a loaded 2-core machine
+# takes seconds. The hangs end 0.4-2.9 s after their timeout, the report's dumps 0.06-0.07 s of it (6 runs at load
+# 8-13, docs/measurements.md, hang report).
+MARGIN = 40
+SCENARIOS = ["raise", "exit", "hang", "hang0", "sigterm", "sigterm-rank1", "sigint", "kill9", "kill9-epoch1"]
 STEPS = 48  # 3 epochs of 16 steps: the uninterrupted run ends on an epoch end, where last.ckpt is written
 
 
@@ -27,9 +34,13 @@ def fault_runs(base: Path) -> tuple[dict, dict]:
     the resumed runs (`resume`). Started with the session (early.py): nothing here is a timing."""
     jobs = [(name, base / name) for name in SCENARIOS] + [("kill9-save", base / f"save{i}") for i in range(3)]
     with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(lambda job: run_scenario(*job, dist_timeout=TIMEOUT, max_steps=STEPS), jobs))
+        done = list(pool.map(lambda job: run_scenario(*job, dist_timeout=timeout(job[0]), max_steps=STEPS), jobs))
     results = {result.workdir.name: result for result in done}  # keyed by scenario, save0..save2
     return results, resume(results, base / "resumed")
+
+
+def timeout(scenario: str) -> int:
+    return HANG_TIMEOUT if scenario.startswith("hang") else TIMEOUT
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,7 @@ def test_job_ends_nonzero_in_bounded_time_without_orphans(results, name):
     """Every fault ends the whole job with a non-zero status, within the timeout plus start-up, no process left."""
     result = results[name]
     assert result.returncode not in (0, None), result.output[-3000:]
-    assert result.seconds < BOUND and result.orphans == 0, result.output[-3000:]
+    assert result.seconds < timeout(name) + MARGIN and result.orphans == 0, result.output[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +79,34 @@ def test_job_ends_nonzero_in_bounded_time_without_orphans(results, name):
 def test_failure_message_names_the_rank(results, name, message):
     """The last words of a failed job say which rank failed, or which one hung."""
     assert message in results[name].output, results[name].output[-3000:]
+
+
+def injected_sleep() -> str:
+    """file:line of the toy's injected hang."""
+    path = Path(toy.__file__).resolve()
+    lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip() == "time.sleep(3600)"]
+    assert len(lines) == 1
+    return f"{path}:{lines[0]}"
+
+
+@pytest.mark.parametrize(("name", "hung", "waiter"), [("hang", 1, 0), ("hang0", 0, 1)])
+def test_hang_report_names_the_rank_behind_its_collective_and_line(results, name, hung, waiter):
+    """When rank 1, or rank 0 (the launcher), hangs, hang/report.txt (also printed) names it, the collective the
+    other rank waits in (DDP's gradient all-reduce, one past the hung rank's last) and the line of the sleep;
+    each rank's dump holds every thread's stack."""
+    result = results[name]
+    directory = result.workdir / "hang"
+    dumps = {rank: RankDump.load(directory / f"rank{rank}.json") for rank in (0, 1)}
+    waited, last = dumps[waiter].collectives[-1], dumps[hung].collectives[-1]
+    assert (dumps[waiter].timed_out, dumps[hung].timed_out) == (True, False), result.output[-3000:]
+    assert waited.kind == "gloo:all_reduce" and waited.seq == last.seq + 1, (waited, last)
+    report = (directory / "report.txt").read_text()
+    behind = f"rank {hung} was behind: it never started collective #{waited.seq} gloo:all_reduce, which rank {waiter}"
+    assert f"{behind} waits in; it was at {injected_sleep()} in training_step" in report, report
+    assert report in result.output
+    stacks = (directory / f"rank{hung}.stacks.txt").read_text()
+    path, line = injected_sleep().rsplit(":", 1)
+    assert f'File "{path}", line {line} in training_step' in stacks and stacks.count("hread 0x") >= 2, stacks
 
 
 @pytest.mark.parametrize(("name", "code"), [("sigterm", 143), ("sigterm-rank1", 143), ("sigint", 130)])

@@ -141,3 +141,21 @@ def test_subcommand_hook_wraps_the_whole_run(tmp_path):
     args = ["fit", "--trainer.fast_dev_run=2", "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"]
     Recording(BoringModel, BoringDataModule, args=args)
     assert calls == ["start fit", "before_fit", "after_fit", "end fit after 2 steps"], VERSIONS
+
+
+def test_flight_recorder_and_store_of_a_process_group(tmp_path):
+    """The flight recorder lists each collective of a gloo group with its sequence number and kind, newest last;
+    the default store holds what a rank sets (hang.py's addresses)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.distributed.all_reduce(torch.ones(3))
+        torch.distributed.barrier()
+        torch.distributed.broadcast(torch.ones(2), src=0)
+        newest = internals.flight_recorder_entries()[-3:]
+        internals.default_store().set("ddpkit/test", "host 123")
+        stored = internals.default_store().get("ddpkit/test")
+    finally:
+        torch.distributed.destroy_process_group()
+    kinds = [(e["collective_seq_id"], e["profiling_name"]) for e in newest]
+    assert kinds == [(1, "gloo:all_reduce"), (2, "gloo:barrier"), (3, "gloo:broadcast")], (kinds, VERSIONS)
+    assert stored == b"host 123"

@@ -13,7 +13,14 @@ from ddpkit.parity import diff, max_abs, over_bound, report
 from ddpkit.parity import main as compare_main
 from ddpkit.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
-from ddpkit.testing.check_parity import BOUNDS, ROUNDING_CEILING, ROUNDING_FACTOR, fp64_bound
+from ddpkit.testing.check_parity import (
+    BOUNDS,
+    FLOAT32_CEILING,
+    ROUNDING_CEILING,
+    ROUNDING_FACTOR,
+    fp64_bound,
+    weights_bound,
+)
 from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -163,6 +170,32 @@ def test_fp64_bound_is_a_factor_of_the_models_rounding_at_least_the_fixed_one(
     assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
     assert bound.at_rounding == pytest.approx(at_rounding, rel=1e-6)
     assert BOUNDS["cpu", "64-true"] == 1e-12 and ROUNDING_CEILING < 2e-6
+
+
+@pytest.mark.parametrize(
+    ("reference", "max_rel"),
+    [
+        (4e-5, 2e-4),  # under the fixed float32 bound: the fixed bound
+        (2e-3, ROUNDING_FACTOR * 1e-3),  # a GroupNorm CNN's float32 rounding: 5 x it
+    ],
+)
+def test_fp32_bound_is_a_factor_of_the_models_float32_rounding(reference, max_rel):
+    """The float32 check's bound comes from float32's own reference run (w moves from 2.0 by `reference`); a bias
+    the optimizer moves only by rounding (AdamW turns no gradient into steps of lr) is at rounding level."""
+    runs = {"1dev-fp32": Weights([2.0, 0.5], 1e-4), "1dev-acc4-fp32": Weights([2.0 + reference, 0.5], 3e-4)}
+    bound = weights_bound(runs, {"micro_batch_size": 8}, "fp32")
+    assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
+    assert bound.at_rounding == pytest.approx(ROUNDING_FACTOR * max(reference, 2e-4), rel=1e-6)
+    assert BOUNDS["cpu", "32-true"] == 2e-4
+
+
+def test_fp32_check_skips_when_float32_rounding_alone_moves_weights_past_the_ceiling():
+    """A transformer's float32 weights move by max_rel 1-1.7 with summation order alone: the float32 comparison
+    skips, naming that figure, rather than fail on rounding or pass on a meaningless bound."""
+    runs = {"1dev-fp32": Weights([2.0, 0.5], 0.3), "1dev-reversed-fp32": Weights([2.0, 0.5 * 2.2], 0.3)}
+    with pytest.raises(pytest.skip.Exception, match=r"max_rel 0\.3, over 0\.01: .* float64 is the check"):
+        weights_bound(runs, {"micro_batch_size": None}, "fp32")
+    assert FLOAT32_CEILING == 1e-2
 
 
 def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path, capsys):

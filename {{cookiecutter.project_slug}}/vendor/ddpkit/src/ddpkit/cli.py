@@ -32,6 +32,7 @@ from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
+from .hang import HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .predictions import PredictionWriter
 from .processes import (
@@ -47,6 +48,7 @@ from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
+from .trackers import SaveTrackerRuns, continue_trackers
 
 # `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
 LIGHTNING_CKPT_PATHS = {"hpc"}
@@ -154,6 +156,8 @@ class CLI(SubcommandCLI):
             match_torchrun(config.get("trainer") or {})
             self.resumed_run = resolve_ckpt_path(config, subcommand)
             place_loggers(config.get("trainer") or {}, self.resumed_run)
+            if self.resumed_run is not None:  # its MLflow / W&B runs continue too
+                continue_trackers(config.get("trainer") or {}, self.resumed_run)
             check_config(config)
         except BadInput as error:
             if rank_label() == "0":  # under torchrun every rank parses: one line is enough
@@ -227,7 +231,8 @@ class CLI(SubcommandCLI):
         defaults = self.trainer_defaults
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        added = [stop, *requeue, *writer, *lr, RecordVersion(), ResumeLoaderPosition()]
+        trackers = [SaveTrackerRuns()] if self.subcommand == "fit" else []  # their run ids, for a restart
+        added = [stop, *requeue, *writer, *lr, *trackers, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)
@@ -259,6 +264,10 @@ class CLI(SubcommandCLI):
             if isinstance(error, SystemExit) and not error.code:
                 raise
             traceback.print_exc()
+            # Before anything is killed: where every rank was (hang.py). Takes up to hang.DUMP_WAIT s.
+            report = collect(error) if is_collective_timeout(error) else None
+            if report:
+                sys.stderr.write(report)
             failed = failed_children(wait=2.0)  # a rank that died first explains this rank's failure
             stuck = stop_children()
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
@@ -424,31 +433,63 @@ def match_torchrun(trainer: Any) -> None:
 
 
 def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
-    """Turn `--ckpt_path last` (and `best` for validate/test/predict) into a file; return the run directory
-    that `fit --ckpt_path last` continues, else None.
+    """Turn `--ckpt_path last` and `auto` (and `best` for validate/test/predict) into a file; return the run
+    directory that `fit` continues, else None.
 
     Lightning looks for `last` only in the new run's own directory, so after a finished or crashed run it
     warns and trains from scratch. Here `last` is the newest complete `last.ckpt` under
-    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start.
+    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start. `fit --ckpt_path
+    auto` is the command for a job that a scheduler starts and restarts: the newest complete `last.ckpt` under
+    the root, or a SLURM requeue's `hpc_ckpt_N.ckpt` in the root itself when it is as far (`further`), else a
+    new run.
     """
     ckpt_path = config.get("ckpt_path")
-    if ckpt_path not in ("last", "best"):
+    if ckpt_path not in ("last", "best", "auto"):
         return None
     if ckpt_path == "best" and subcommand == "fit":
         raise BadInput("--ckpt_path best is for validate, test and predict; resume training with --ckpt_path last.")
+    if ckpt_path == "auto" and subcommand != "fit":
+        raise BadInput(f"--ckpt_path auto is for fit (a job that may restart); {subcommand} takes last or best.")
     root = Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd())
     last = newest_last_checkpoint(root)
+    if ckpt_path == "auto":
+        last = further(last, newest_hpc_checkpoint(root))
+        if last is None:
+            config["ckpt_path"] = None
+            if rank_label() == "0":
+                sys.stderr.write(f"fit: --ckpt_path auto: no complete checkpoint under {root}; starting a new run\n")
+            return None
     if last is None:
         raise BadInput(
             f"--ckpt_path {ckpt_path}: no complete last.ckpt under {root}. Train first (python main.py fit), "
             "point --trainer.default_root_dir at the run's root, or pass a checkpoint file."
         )
-    path = last if ckpt_path == "last" else best_checkpoint(last)
+    path = best_checkpoint(last) if ckpt_path == "best" else last
     config["ckpt_path"] = str(path)
     if rank_label() == "0":
         sys.stderr.write(f"{subcommand}: --ckpt_path {ckpt_path} is {path}\n")
     run = last.parent.parent
-    return run if subcommand == "fit" and last.parent.name == "checkpoints" else None
+    return run if subcommand == "fit" and last.name == "last.ckpt" and last.parent.name == "checkpoints" else None
+
+
+def further(last: Path | None, hpc: Path | None) -> Path | None:
+    """Of the newest last.ckpt and a SLURM requeue's hpc_ckpt_N.ckpt, the one further in training; on a tie the
+    requeue's: it is saved mid-epoch with the loader's position, then the job stops and Lightning ends the epoch
+    with a last.ckpt of the same step that counts the epoch as done (a resume from it skipped the epoch's rest)."""
+    if last is None or hpc is None:
+        return last or hpc
+    if last.is_dir() or hpc.is_dir():  # a sharded checkpoint keeps its step in the shards: the newer one
+        return max(last, hpc, key=lambda c: (c / ".metadata" if c.is_dir() else c).stat().st_mtime)
+    steps = [load_lazily(str(c)).get("global_step", -1) for c in (last, hpc)]
+    return hpc if steps[1] >= steps[0] else last
+
+
+def newest_hpc_checkpoint(root: Path) -> Path | None:
+    """The highest `hpc_ckpt_N.ckpt` in `root` that is complete: SlurmRequeue's (and Lightning's) save before a
+    requeue, mid-epoch, which Lightning itself resumes only when no `--ckpt_path` is given."""
+    numbered = [(int(p.stem[9:]), p) for p in root.glob("hpc_ckpt_*.ckpt") if p.stem[9:].isdigit()]
+    complete = [(n, p) for n, p in numbered if zipfile.is_zipfile(p) or (p / ".metadata").is_file()]
+    return max(complete)[1] if complete else None
 
 
 def newest_last_checkpoint(root: Path) -> Path | None:

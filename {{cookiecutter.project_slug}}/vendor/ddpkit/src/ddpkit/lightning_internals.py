@@ -6,6 +6,7 @@ at once what moved; they also fail when any other module of ddpkit uses a privat
 Measured against Lightning 2.6.6 and torch 2.13.0.
 """
 
+import json
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,8 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (_FitLoop, "_load_combined_loader_states"),
     (torch.nn.modules.batchnorm, "_BatchNorm"),
     (BatchNormBase, "_check_input_dim"),
+    (torch.distributed.distributed_c10d, "_get_default_store"),
+    (torch._C._distributed_c10d, "_dump_fr_trace_json"),
 ]
 
 
@@ -175,3 +178,16 @@ class AnyDimBatchNorm(BatchNormBase):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         check_batchnorm_input(input)
+
+
+def default_store() -> Any:
+    """The key-value store the default process group was created with (`init_process_group`'s rendezvous), which
+    stays reachable when a collective hangs; torch 2.13 has no public accessor for it."""
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def flight_recorder_entries() -> list[dict]:
+    """This process's flight-recorder entries, oldest first: one per collective it issued, in every process group
+    (`collective_seq_id`, `profiling_name` like "gloo:all_reduce", `process_group`); [] when the recorder is off
+    (TORCH_FR_BUFFER_SIZE=0). torch's only accessor is private; its `fr_trace` tool reads the same records."""
+    return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])

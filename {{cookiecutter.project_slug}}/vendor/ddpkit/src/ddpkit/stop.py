@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from .checkpoints import checkpoint_dir
+from .hang import job_hung
 from .lightning_internals import restore_sigterm_broadcast, skip_sigterm_broadcast
 from .processes import exit_now, mark_stopping, rank_label, stop_children
 
@@ -91,8 +92,11 @@ class GracefulStop(Callback):
         restore_sigterm_broadcast(trainer)
 
     def _request(self, signum: int, frame: Any) -> None:
-        if self.signum:  # asked twice: do not wait for the step to end
-            sys.stderr.write(f"rank {rank_label()}: second {signal.Signals(signum).name}, exiting now\n")
+        # Asked twice, or after a hang (torchrun's agent stops the other ranks with SIGTERM, then waits 30 s
+        # before SIGKILL): do not wait for a step to end.
+        if self.signum or job_hung():
+            which = "second" if self.signum else "after the hang report,"
+            sys.stderr.write(f"rank {rank_label()}: {which} {signal.Signals(signum).name}, exiting now\n")
             stop_children()
             exit_now(128 + signum)
         self.signum = signum

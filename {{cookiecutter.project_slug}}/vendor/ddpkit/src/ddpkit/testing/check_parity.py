@@ -23,7 +23,7 @@ import torch
 from ..parity import main as compare_main
 from ..parity import max_abs, over_bound, read_csv_scalars, read_scalars, report, scalar_diffs, weight_diffs
 from .plugin import GPU_PRECISIONS
-from .runs import Run, Waves, as_cuda, comparable, global_step
+from .runs import Run, Waves, as_cuda, comparable, global_step, reference_run
 
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
 # 2 epochs. Measured on CPU with the digits example (AdamW, 32 steps), seeds 0-7: float64 at most
@@ -48,11 +48,18 @@ ROUNDING_FACTOR = 5.0
 # largest measured, 1.4e-9 (a no-gradient bias before BatchNorm), and 1.7e-7 for a loss summed over the batch,
 # which accumulation scales (AdamW hides that: 1 vs 2 devices then differ by only 5.6e-8; tests/own_project.py).
 ROUNDING_CEILING = 1e-8
+# float32 rounding, grown by the optimizer (AdamW divides by sqrt(v)), moves weights far more. 1 device with 4
+# micro-batches (reversed batches for BatchNorm) vs without, 8 steps, seeds 0-2, max_rel: 3e-7-1.9e-6 (digits MLP),
+# 6.7e-7-6.4e-5 (transformer; its key biases, ~2e-4 apart, at rounding level), 9.2e-4-7.3e-2 (GroupNorm CNN),
+# 0.16-0.24 (BatchNorm CNN). Past 1e-2 a float32 comparison cannot tell a DDP bug from rounding: the check skips
+# and float64 is the judge. 1 vs 2 devices needed at most 1.21 x the reference (measure_rounding.py --fp32).
+FLOAT32_CEILING = 1e-2
+CEILINGS = {"fp64": ROUNDING_CEILING, "fp32": FLOAT32_CEILING}
 
 
 @dataclass(frozen=True)
 class Bound:
-    """A float64 weights bound: max_rel per tensor, except tensors whose max_abs is within `at_rounding`."""
+    """A weights bound: max_rel per tensor, except tensors whose max_abs is within `at_rounding`."""
 
     max_rel: float
     at_rounding: float = 0.0
@@ -61,22 +68,21 @@ class Bound:
 
 @dataclass(frozen=True)
 class Rounding:
-    """How far summation order alone moved the float64 weights: 1 device reordered (`rounding`) vs 1 device."""
+    """How far summation order alone moved the weights: 1 device reordered (`rounding`) vs 1 device."""
 
     max_rel: float  # the worst tensor's, of those holding more than rounding (NaN: some tensor is NaN)
     max_abs: float  # the worst tensor's
 
 
-def rounding(cpu_runs: Waves, steps: dict) -> Rounding:
+def rounding(cpu_runs: Waves, steps: dict, precision: str = "fp64") -> Rounding:
     """The rounding reference of the configured model: its weights after 1 device with 4 micro-batches (or, for a
     BatchNorm model or a data module without micro-batches, with every batch reversed) vs 1 device."""
-    other = "1dev-acc4-fp64" if steps["micro_batch_size"] else "1dev-reversed-fp64"
-    one, reordered = cpu_runs["1dev-fp64"].weights(), cpu_runs[other].weights()
+    one, reordered = cpu_runs[f"1dev-{precision}"].weights(), cpu_runs[reference_run(steps, precision)].weights()
     level = ROUNDING_FACTOR * max_abs(one, reordered)
     # A tensor whose every entry is within rounding (a bias that gets no gradient) has no meaningful max_rel; only
     # where that rounding is small beside the model's weights (broken accumulation moves weights by far more).
     scale = max((t.abs().max().item() for t in one.values() if t.is_floating_point() and t.numel()), default=0.0)
-    small = level <= ROUNDING_CEILING * scale
+    small = level <= CEILINGS[precision] * scale
 
     def only_rounding(name: str) -> bool:
         return small and one[name].numel() > 0 and one[name].abs().max().item() <= level
@@ -85,13 +91,19 @@ def rounding(cpu_runs: Waves, steps: dict) -> Rounding:
     return Rounding(held[0].max_rel if held else 0.0, level / ROUNDING_FACTOR)
 
 
-def fp64_bound(cpu_runs: Waves, steps: dict) -> Bound:
-    """The float64 weights bound for the configured model: ROUNDING_FACTOR x its rounding reference, at least the
-    fixed bound; tensors within ROUNDING_FACTOR x the reference's max_abs are at rounding level."""
-    fixed = BOUNDS["cpu", "64-true"]
-    ref = rounding(cpu_runs, steps)
+def weights_bound(cpu_runs: Waves, steps: dict, precision: str = "fp64") -> Bound:
+    """The weights bound for the configured model: ROUNDING_FACTOR x its rounding reference, at least the fixed
+    bound; tensors within ROUNDING_FACTOR x the reference's max_abs are at rounding level. A float64 reference
+    above the ceiling is not rounding (the fixed bound stays); a float32 one skips the check."""
+    fixed = BOUNDS["cpu", "64-true" if precision == "fp64" else "32-true"]
+    ref = rounding(cpu_runs, steps, precision)
     how = "4 micro-batches" if steps["micro_batch_size"] else "every batch reversed"
-    if not ref.max_rel <= ROUNDING_CEILING:
+    if not ref.max_rel <= CEILINGS[precision]:
+        if precision == "fp32":
+            pytest.skip(
+                f"float32 rounding alone (1 device with {how} vs without) moves this model's weights by max_rel "
+                f"{ref.max_rel:.3g}, over {FLOAT32_CEILING:g}: too much to tell a DDP bug from; float64 is the check"
+            )
         return Bound(
             fixed, why=f"fixed {fixed:g}: 1 device with {how} moved weights by {ref.max_rel:.3g}: not rounding"
         )
@@ -99,6 +111,11 @@ def fp64_bound(cpu_runs: Waves, steps: dict) -> Bound:
     why = f"{ROUNDING_FACTOR:g} x rounding, at least {fixed:g}; rounding: 1 device with {how} vs without"
     why += f" max_rel {ref.max_rel:.3g}, max_abs {ref.max_abs:.3g}; max_abs <= {level:.3g} is at rounding level"
     return Bound(max(fixed, ROUNDING_FACTOR * ref.max_rel), level, why)
+
+
+def fp64_bound(cpu_runs: Waves, steps: dict) -> Bound:
+    """The float64 weights bound (weights_bound), which every float64 comparison of the suite uses."""
+    return weights_bound(cpu_runs, steps, "fp64")
 
 
 # bf16-mixed: no fixed bound and no weights. Measured, 1 vs 2 CPU processes, 32 steps, seeds 0-4, the digits
@@ -136,11 +153,11 @@ def assert_scalars_close(a: Run, b: Run, bound: float) -> None:
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 def test_weights_match_1_vs_2_devices(cpu_runs, steps, precision):
-    """After 2 epochs every parameter matches within the precision's bound."""
+    """After 2 epochs every parameter matches within the bound the model's own rounding sets in that precision."""
     comparable(steps)
     one, two = cpu_runs[f"1dev-{precision}"], cpu_runs[f"2dev-{precision}"]
     assert one.global_step() == two.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
-    assert_weights_close(one, two, fp64_bound(cpu_runs, steps) if precision == "fp64" else BOUNDS["cpu", "32-true"])
+    assert_weights_close(one, two, weights_bound(cpu_runs, steps, precision))
 
 
 def test_both_ranks_end_bit_identical(cpu_runs):

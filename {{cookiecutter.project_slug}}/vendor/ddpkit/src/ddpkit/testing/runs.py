@@ -5,7 +5,7 @@ three waves; every run of a wave starts at once (each run is mostly start-up, wh
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
    ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
    reversed): summation order alone, the rounding the float64 bounds start from.
-2. 1 and 2 devices in float32 and in bf16-mixed, `torchrun`, gradient accumulation on 2 devices x 2
+2. 1 and 2 devices in float32 (and float32's own rounding reference) and in bf16-mixed, `torchrun`, gradient accumulation on 2 devices x 2
    micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
    module shards, and, when the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
@@ -94,6 +94,11 @@ def plan(configured: dict) -> dict:
         "stages": configured.get("stages", ["validate", "test", "predict"]),
         "batchnorm": batchnorm,
     }
+
+
+def reference_run(steps: dict, precision: str = "fp64") -> str:
+    """The run that differs from 1 device by summation order alone: 4 micro-batches, else reversed batches."""
+    return f"1dev-{'acc4' if steps['micro_batch_size'] else 'reversed'}-{precision}"
 
 
 def global_step(steps: dict, batches: int) -> int:
@@ -233,18 +238,21 @@ def shared_runs(base: Path, steps: dict) -> Waves:
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     first = {n: run(n, main_cmd(*fit(steps, "cpu", int(n[0]), "64-true", csv))) for n in ("1dev-fp64", "2dev-fp64")}
-    # Summation order alone, the rounding reference of the float64 bounds: 4 micro-batches, else reversed batches.
+    # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
-    if steps["micro_batch_size"]:
-        first["1dev-acc4-fp64"] = run("1dev-acc4-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", *micro)))
-    else:
-        reverse = "--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"
-        first["1dev-reversed-fp64"] = run("1dev-reversed-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", reverse)))
+    reorder = (
+        micro if steps["micro_batch_size"] else ("--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches",)
+    )
+    reference = reference_run(steps, "fp64")
+    first[reference] = run(reference, main_cmd(*fit(steps, "cpu", 1, "64-true", *reorder)))
 
     def second(runs: Waves) -> dict:
         jobs = {
             "1dev-fp32": run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true"))),
             "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true"))),
+            reference_run(steps, "fp32"): run(
+                reference_run(steps, "fp32"), main_cmd(*fit(steps, "cpu", 1, "32-true", *reorder))
+            ),
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "1dev-bf16": run("1dev-bf16", main_cmd(*fit(steps, "cpu", 1, "bf16-mixed"))),
             "2dev-bf16": run("2dev-bf16", main_cmd(*fit(steps, "cpu", 2, "bf16-mixed"))),
@@ -302,6 +310,8 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             (
                 "1dev-fp32",
                 "2dev-fp32",
+                "1dev-acc4-fp32",
+                "1dev-reversed-fp32",
                 "torchrun-fp64",
                 "1dev-bf16",
                 "2dev-bf16",
