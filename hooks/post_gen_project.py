@@ -23,6 +23,11 @@ if {{ cookiecutter.lm_example | tojson }} != "yes":
     for path in ("configs/lm.yaml", "configs/fsdp.yaml", "tests/examples/test_lm.py", "tests/examples/test_lm_sharded.py"):
         Path(path).unlink()
 
+if {{ cookiecutter.streaming_example | tojson }} != "yes":
+    shutil.rmtree(PACKAGE / "stream")
+    for path in ("configs/stream.yaml", "tests/examples/test_stream.py"):
+        Path(path).unlink()
+
 print(
     f"Baked {SLUG}/. Next, in a new virtual environment:\n"
     f"  cd {SLUG}\n"

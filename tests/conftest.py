@@ -56,8 +56,8 @@ def lm_project(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def readme_project(tmp_path_factory) -> Path:
-    """The project the generated README's commands run in (with the language-model example)."""
-    return bake(tmp_path_factory.mktemp("docs"), lm_example="yes")
+    """The project the generated README's commands run in (with the language-model and streaming examples)."""
+    return bake(tmp_path_factory.mktemp("docs"), lm_example="yes", streaming_example="yes")
 
 
 def torch_env(venv: Path) -> dict[str, str]:

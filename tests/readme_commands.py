@@ -7,7 +7,7 @@ it (without a trailing `# comment`). A command in a README that these tables do 
 so does a listed command that the README no longer has: README and tables stay in step.
 
 The checks:
-- `Run`: run in the baked project (with the language-model example), in a virtual environment that the
+- `Run`: run in the baked project (with the language-model and streaming examples), in a virtual environment that the
   README's own install commands fill; it must exit 0 and print every `expect` string (and none of `absent`).
   Where the README shows output (a block opening with `$ command`), each `expect` string must also be in
   the output the README shows. The command runs as written or with one of these substitutions for a 2-core
@@ -116,6 +116,12 @@ GENERATED = {
         "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml" + FEW_LM, ["2 x cpu"]
     ),
     "python main.py fit --config configs/lm.yaml --config configs/fsdp.yaml": NeedsGPU(NO_GPU),
+    "python main.py fit --config configs/stream.yaml": Run(
+        "python main.py fit --config configs/stream.yaml" + FEW, ["Scaling doctor: 1 x cpu"]
+    ),
+    "python main.py fit --config configs/stream.yaml --trainer.devices 2": Run(
+        "python main.py fit --config configs/stream.yaml --trainer.devices 2" + FEW, ["Scaling doctor: 2 x cpu"]
+    ),
     (
         "python main.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 100 "
         "--doctor.measure_comm true"

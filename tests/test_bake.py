@@ -50,6 +50,12 @@ LM_EXAMPLE = {
     "tests/examples/test_lm.py",
     "tests/examples/test_lm_sharded.py",
 }
+STREAM_EXAMPLE = {
+    "configs/stream.yaml",
+    "ddp_digits/stream/__init__.py",
+    "ddp_digits/stream/data.py",
+    "tests/examples/test_stream.py",
+}
 LIBRARY = TEMPLATE / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"
 
 
@@ -104,6 +110,18 @@ def test_lm_example_is_baked_only_when_asked(lm_project):
     assert "## A second example: a small language model" in (lm_project / "README.md").read_text()
 
 
+def test_streaming_example_is_baked_only_when_asked(tmp_path, default_project):
+    """streaming_example=yes adds the shard-streaming example, its config and test, and its README commands and
+    ignored shard folder; a default bake has none of them but the README's section on streaming sources."""
+    project = bake(tmp_path, streaming_example="yes")
+    assert files(project) == COMMON | STREAM_EXAMPLE | {WORKFLOW}
+    readme, default_readme = ((p / "README.md").read_text() for p in (project, default_project))
+    assert "configs/stream.yaml" in readme and "configs/stream.yaml" not in default_readme
+    assert "### Bring a streaming source" in readme and "### Bring a streaming source" in default_readme
+    assert "data/digit-shards/" in (project / ".gitignore").read_text().splitlines()
+    assert "data/digit-shards/" not in (default_project / ".gitignore").read_text()
+
+
 def test_without_github_actions_the_workflow_is_removed(tmp_path):
     """github_actions=no leaves no .github directory and nothing else missing."""
     project = bake(tmp_path, github_actions="no")
@@ -156,7 +174,7 @@ def test_every_python_file_compiles(default_project, tmp_path):
 def test_generated_project_passes_ruff(tmp_path, name):
     """ruff check and ruff format --check find nothing, with the project's own config, also when the package's
     name sorts after the scripts beside it (import order must not depend on the name)."""
-    project = bake(tmp_path, project_name=name, lm_example="yes")
+    project = bake(tmp_path, project_name=name, lm_example="yes", streaming_example="yes")
     for cmd in (["ruff", "check", "."], ["ruff", "format", "--check", "."]):
         result = run([sys.executable, "-m", *cmd], project, timeout=60)
         assert result.returncode == 0, result.stdout

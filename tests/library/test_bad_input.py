@@ -8,11 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from procs import fake_gpus_env, toy, toy_ok
+from streams import PlainStream
 
 from ddpkit.cli import (
     BadInput,
     check_checkpoint,
     check_state_dict_fits,
+    iterable_data_warning,
     match_torchrun,
     newest_last_checkpoint,
     plain_datamodule_warning,
@@ -148,14 +150,24 @@ def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_p
 
 
 def test_plain_datamodule_runs_with_one_warning_line(tmp_path):
-    """A plain LightningDataModule trains on 2 processes; the CLI says once, before any rank starts, what it loses."""
+    """A plain LightningDataModule trains on 2 processes; the CLI says once, before any rank starts, what it loses;
+    its training data being an IterableDataset, once more before the first step, that every rank reads all of it."""
     cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_steps", "2")
-    out = toy_ok(
-        "fit", "--data", "ddpkit.toy.PlainToyData", *cpu, "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path
-    )
+    root = ("--trainer.default_root_dir", str(tmp_path))
+    out = toy_ok("fit", "--data", "streams.PlainStream", *cpu, *root, cwd=tmp_path)
     lines = [line for line in out.splitlines() if "is a plain LightningDataModule" in line]
-    assert lines == [plain_datamodule_warning(PlainToyData())]
+    assert lines == [plain_datamodule_warning(PlainStream())]
     assert "subclass ddpkit.GlobalBatchDataModule" in lines[0]
+    iterable = [line for line in out.splitlines() if "is an IterableDataset" in line]
+    assert iterable == [iterable_data_warning(PlainStream().train_dataloader(), 2)]
+    assert "(_BlobStream)" in iterable[0] and "each sample 2 times per epoch" in iterable[0]
+
+
+def test_iterable_data_warning_only_for_iterable_data_on_several_processes():
+    """A map-style loader, or an iterable one on 1 process, gets no iterable-data warning."""
+    assert iterable_data_warning(PlainToyData().train_dataloader(), 2) is None
+    assert iterable_data_warning(PlainStream().train_dataloader(), 1) is None
+    assert iterable_data_warning({"a": PlainStream().train_dataloader()}, 4) is not None
 
 
 def save(path, mtime, **content):

@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
+from torch.utils.data import IterableDataset
 
 from . import __version__
 from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
@@ -170,6 +171,8 @@ class CLI(SubcommandCLI):
         if self.datamodule is not None and not isinstance(self.datamodule, GlobalBatchDataModule):
             if rank_label() == "0" and self.subcommand:
                 sys.stderr.write(plain_datamodule_warning(self.datamodule) + "\n")
+            if self.subcommand == "fit" and self.trainer.world_size > 1:
+                self.trainer.callbacks.append(IterableDataCheck())  # its loaders exist only once fit builds them
         batchnorm = unsynced_batchnorm_warning(self.model, self.trainer.world_size, self.batchnorm_synced)
         if batchnorm and self.subcommand == "fit" and rank_label() == "0":
             sys.stderr.write(batchnorm + "\n")
@@ -293,8 +296,33 @@ def plain_datamodule_warning(datamodule: Any) -> str:
     return (
         f"warning: {type(datamodule).__name__} is a plain LightningDataModule: its batch size is per device "
         "(the global batch grows with --trainer.devices), and 1-vs-N device parity, exact mid-epoch resume and "
-        f"exactly-once evaluation are not guaranteed; subclass {base} and return datasets to keep them."
+        f"exactly-once evaluation are not guaranteed; subclass {base} and return datasets to keep them "
+        "(ddpkit.streaming.StreamingDataModule for shards or streams)."
     )
+
+
+def iterable_data_warning(loaders: Any, world_size: int) -> str | None:
+    """One line when a training loader of a plain data module reads an IterableDataset on several processes."""
+    loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders
+    loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+    iterable = [dl.dataset for dl in loaders if isinstance(getattr(dl, "dataset", None), IterableDataset)]
+    if not iterable or world_size < 2:
+        return None
+    return (
+        f"warning: the training data ({type(iterable[0]).__name__}) is an IterableDataset that Lightning does not "
+        f"split over the {world_size} processes: unless it splits itself by rank, every rank reads the whole "
+        f"stream (each sample {world_size} times per epoch) and a rank whose stream ends first leaves the others "
+        "waiting at the epoch's end; ddpkit.streaming.StreamingDataModule reads shards once over all ranks."
+    )
+
+
+class IterableDataCheck(Callback):
+    """Says, before the first training step, what an iterable dataset in a plain data module gets wrong."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        warning = iterable_data_warning(trainer.train_dataloader, trainer.world_size)
+        if warning and trainer.is_global_zero:
+            sys.stderr.write(warning + "\n")
 
 
 def check_config(config: Any) -> None:

@@ -105,6 +105,12 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.train_set, self.val_set = self.train_dataset(), self.val_dataset()
+            if not hasattr(self.train_set, "__len__"):  # an IterableDataset: no length, no indexing
+                raise TypeError(
+                    f"{type(self).__name__}.train_dataset() returned {type(self.train_set).__name__}, an iterable "
+                    "dataset: GlobalBatchDataModule samples map-style datasets; for a stream or shards, subclass "
+                    "ddpkit.streaming.StreamingDataModule and return train_shards()"
+                )
             self.train_sampler()  # fail now, before any step, if the global batch does not fit
             if self.trainer is not None:
                 if self.trainer.accumulate_grad_batches not in (1, self.accumulation_steps()):

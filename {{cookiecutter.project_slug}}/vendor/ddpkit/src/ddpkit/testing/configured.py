@@ -59,6 +59,7 @@ def _measure(args: list[str]) -> dict:
         "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
     }
     if info["global_batch_data"]:
+        data.prepare_data()  # as Lightning calls it before setup: a module may write its data there (shards)
         data.setup("fit")
         info |= {
             "train_size": len(data.train_set),

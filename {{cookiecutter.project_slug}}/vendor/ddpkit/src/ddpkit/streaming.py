@@ -1,0 +1,369 @@
+"""The data module for data that does not fit in memory: you give shards, it streams them with the promises of
+`GlobalBatchDataModule` (data.py).
+
+    class MyData(StreamingDataModule):
+        def train_shards(self) -> Sequence[Shard]: ...
+        def val_shards(self) -> Sequence[Shard] | None: ...   # optional, like test_shards and predict_shards
+
+A shard is any object with a `name`, a `len()` known before reading it and `read(start)`, which yields its
+samples from index `start` on, in the same order every time (`Shard`). `shard_files` makes them from local
+files; `ddpkit.sources` from LitData, WebDataset and `datasets` shards.
+
+How training reads them. Every epoch the shards are put in a seeded order (`--seed_everything` + epoch) and
+seen as one sequence of N samples. It is cut into `streams` contiguous pieces of equal length, S = `streams`;
+global batch k is the next B/S samples of every stream, in stream order (B = `global_batch_size`). Rank r of
+W reads streams r*S/W .. (r+1)*S/W - 1, so its share of global batch k is the r-th contiguous slice of the
+batch 1 device trains, as with the map-style sampler. Hence:
+- global batch k is the same on any device count whose count divides S;
+- each sample of an epoch is in at most one global batch; the tail of N mod B samples (under one global
+  batch, at a different place every epoch) is not trained, as in data.py;
+- every rank takes N // B steps every epoch, whatever the shards' sizes: no rank runs out first and hangs;
+- a checkpoint holds the epoch and the global batches done; resuming finds each stream's shard and offset
+  and calls `shard.read(offset)`, on the same or any other device count that divides S. A sequential shard
+  (a tar file) reads through the skipped part; it still resumes exactly, only slower.
+A stream starts where the previous one ended, often inside a shard: that shard is then read by two streams,
+each its own part. Samples within a shard keep their order (shuffling is by shard): write shards whose
+samples are already mixed.
+
+Workers (`num_workers` > 0) each read some of the rank's streams (at most one worker per stream) and hand
+over each step's samples; the loader puts them back in stream order and collates the micro-batches, so the
+batches are the same with any number of workers. Validation, test and predict read the shards as one
+map-style sequence (`ShardSequence`) through data.py's exactly-once loaders.
+"""
+
+import bisect
+import itertools
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
+
+from .data import GlobalBatchDataModule
+
+
+@runtime_checkable
+class Shard(Protocol):
+    """What the streaming data module reads: one piece of a source (a file, a tar, a chunk)."""
+
+    name: str  # stable id (file name / url); used in errors and for a seeded shuffle
+
+    def __len__(self) -> int:  # number of samples in the shard, known before reading it
+        ...
+
+    def read(self, start: int = 0) -> Iterator[Any]:
+        """The shard's samples from index `start` to the end, in a fixed order (same order every call).
+        Sources with random access seek; sequential ones (tar) read through and discard the first `start`."""
+        ...
+
+
+class LocalShard:
+    """One local file of samples. By suffix:
+    - `.pt`: `torch.save` of a tensor, or a tuple/list/dict of tensors, samples along the first dimension
+      (loaded memory-mapped: reading from `start` touches only what it reads);
+    - `.npy`: an array, samples along the first dimension (memory-mapped);
+    - `.jsonl`: one JSON value per line.
+    """
+
+    SUFFIXES = (".pt", ".npy", ".jsonl")
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.suffix not in self.SUFFIXES:
+            raise ValueError(f"{self.path}: a local shard is one of {', '.join(self.SUFFIXES)}")
+        self.name = self.path.name
+        self._len: int | None = None
+
+    def _load(self) -> Any:
+        if self.path.suffix == ".pt":
+            return torch.load(self.path, mmap=True, weights_only=True)
+        import numpy as np  # a dependency of torch's own numpy bridge; only .npy shards need it
+
+        return np.load(self.path, mmap_mode="r")
+
+    def __len__(self) -> int:
+        if self._len is None:
+            if self.path.suffix == ".jsonl":
+                with self.path.open("rb") as f:
+                    self._len = sum(1 for _ in f)
+            else:
+                data = self._load()
+                self._len = len(next(iter(data.values())) if isinstance(data, dict) else _first(data))
+        return self._len
+
+    def read(self, start: int = 0) -> Iterator[Any]:
+        if self.path.suffix == ".jsonl":
+            with self.path.open() as f:
+                yield from (json.loads(line) for line in itertools.islice(f, start, None))
+            return
+        data = self._load()
+        for i in range(start, len(self)):
+            if isinstance(data, dict):
+                yield {key: value[i].clone() for key, value in data.items()}
+            elif isinstance(data, (tuple, list)):
+                yield tuple(value[i].clone() for value in data)
+            elif isinstance(data, torch.Tensor):
+                yield data[i].clone()  # a copy: the memory map stays read-only and can close
+            else:
+                yield torch.from_numpy(data[i].copy())
+
+    def __repr__(self) -> str:
+        return f"LocalShard({str(self.path)!r})"
+
+
+def _first(data: Any) -> Any:
+    return data[0] if isinstance(data, (tuple, list)) else data
+
+
+def shard_files(paths: str | Path | Sequence[str | Path], pattern: str = "*") -> list[LocalShard]:
+    """Local shards, sorted by name: the files of a directory that match `pattern` (suffixes .pt/.npy/.jsonl),
+    or the given files."""
+    if isinstance(paths, (str, Path)) and Path(paths).is_dir():
+        files = [p for p in Path(paths).glob(pattern) if p.suffix in LocalShard.SUFFIXES]
+        if not files:
+            raise FileNotFoundError(f"no {'/'.join(LocalShard.SUFFIXES)} shards matching {pattern!r} in {paths}")
+    else:
+        files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"no shard folder or file {missing[0]} (write shards before setup: prepare_data)")
+    return [LocalShard(p) for p in sorted(files, key=lambda p: p.name)]
+
+
+class ShardSequence(Dataset):
+    """Shards read as one map-style dataset, in the given order (evaluation, predict, and sizes).
+
+    Indexing is cheap for increasing indices, which is how the evaluation samplers of each rank or worker ask:
+    the open shard is read on from the last index; another shard, or an earlier index, opens it again.
+    """
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self.shards = list(shards)
+        if not self.shards:
+            raise ValueError("no shards: the source is empty")
+        self.starts = [0, *itertools.accumulate(len(s) for s in self.shards)]
+        self._open: tuple[int, int, Iterator[Any]] | None = None  # (shard, index of its next sample, reader)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict:
+        return {**vars(self), "_open": None}  # a reader does not pickle (workers started by spawn)
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        shard = bisect.bisect_right(self.starts, index) - 1
+        offset = index - self.starts[shard]
+        if self._open is None or self._open[0] != shard or self._open[1] > offset:
+            self._open = (shard, offset, self.shards[shard].read(offset))
+        _, position, reader = self._open
+        sample = next(itertools.islice(reader, offset - position, None), _END)
+        if sample is _END:
+            raise ValueError(_short_shard(self.shards[shard], offset))
+        self._open = (shard, offset + 1, reader)
+        return sample
+
+
+_END = object()
+
+
+def _short_shard(shard: Shard, read: int) -> str:
+    return f"shard {shard.name} says it holds {len(shard)} samples, but its read() ended after {read}"
+
+
+class _StepReader(IterableDataset):
+    """One rank's streams, step by step: yields (step, {stream: its B/S samples of that step}). In a worker,
+    only the worker's own streams."""
+
+    def __init__(self, shards: list[Shard], streams: Sequence[int], chunk: int, steps: int, start: int) -> None:
+        self.shards, self.streams, self.chunk, self.steps, self.start = shards, list(streams), chunk, steps, start
+        self.starts = [0, *itertools.accumulate(len(s) for s in shards)]
+
+    def __iter__(self) -> Iterator[tuple[int, dict[int, list]]]:
+        worker = get_worker_info()
+        mine = self.streams[worker.id :: worker.num_workers] if worker else self.streams
+        readers = {s: self.stream(s) for s in mine}
+        for step in range(self.start, self.steps):
+            yield step, {s: list(itertools.islice(reader, self.chunk)) for s, reader in readers.items()}
+
+    def stream(self, s: int) -> Iterator[Any]:
+        """Stream s from the start step on: positions [(s * steps + start) * chunk, (s + 1) * steps * chunk)."""
+        position, end = (s * self.steps + self.start) * self.chunk, (s + 1) * self.steps * self.chunk
+        shard = bisect.bisect_right(self.starts, position) - 1
+        while position < end:
+            offset = position - self.starts[shard]
+            read = 0
+            for sample in self.shards[shard].read(offset):
+                yield sample
+                read, position = read + 1, position + 1
+                if position == end:
+                    return
+            if offset + read != len(self.shards[shard]):
+                raise ValueError(_short_shard(self.shards[shard], offset + read))
+            shard += 1
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class StreamLoader:
+    """The training loader of a `StreamingDataModule` on one rank: micro-batches, `len()` of them per epoch.
+
+    Lightning saves `state_dict()` in checkpoints and calls `load_state_dict` when it resumes (it treats any
+    loader with both as resumable). The position counts completed global batches, as `ResumableLoader` does
+    (sampling.py): with accumulation, a checkpoint between the micro-batches of a step resumes at that step.
+    """
+
+    def __init__(
+        self,
+        shards: list[Shard],
+        *,
+        streams: int,
+        global_batch_size: int,
+        world_size: int,
+        rank: int,
+        micro_batch_size: int,
+        seed: int,
+        num_workers: int = 0,
+        collate_fn: Callable[[list], Any] = default_collate,
+        current_epoch: Callable[[], int] | None = None,
+    ) -> None:
+        self.shards, self.streams, self.seed = shards, streams, seed
+        self.chunk = global_batch_size // streams  # samples of one stream in one global batch
+        self.steps = sum(len(s) for s in shards) // global_batch_size  # the same on every rank and epoch
+        per_rank = streams // world_size
+        self.mine = range(rank * per_rank, (rank + 1) * per_rank)
+        self.micro, self.accumulation = micro_batch_size, global_batch_size // world_size // micro_batch_size
+        self.num_workers = min(num_workers, per_rank)  # a worker reads whole streams
+        self.collate_fn, self.current_epoch = collate_fn, current_epoch
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, global batches to skip), used once
+        self._position = (0, 0)  # (epoch, global batches of that epoch completed)
+
+    def __len__(self) -> int:
+        return self.steps * self.accumulation
+
+    def epoch_order(self, epoch: int) -> list[Shard]:
+        """The shards in the order of `epoch`: the same on every rank (seeded by --seed_everything)."""
+        order = torch.randperm(len(self.shards), generator=torch.Generator().manual_seed(self.seed + epoch))
+        return [self.shards[i] for i in order.tolist()]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.current_epoch is not None:
+            self.epoch = self.current_epoch()
+        resume, self._resume = self._resume, None
+        start = resume[1] if resume and resume[0] == self.epoch else 0
+        reader = _StepReader(self.epoch_order(self.epoch), self.mine, self.chunk, self.steps, start)
+        # A new loader each epoch: its workers read that epoch's order (persistent ones would keep the first).
+        steps = DataLoader(reader, batch_size=None, collate_fn=_as_is, num_workers=self.num_workers)
+        pending: dict[int, dict[int, list]] = {}
+        for step, part in steps:  # workers' parts of one step arrive one after another
+            pending.setdefault(step, {}).update(part)
+            if len(pending[step]) < len(self.mine):
+                continue
+            parts = pending.pop(step)
+            share = [sample for s in self.mine for sample in parts[s]]  # (B / W samples), in stream order
+            for i in range(self.accumulation):
+                # Counted before the batch is trained, as in ResumableLoader.
+                self._position = (self.epoch, step + (i + 1) // self.accumulation)
+                yield self.collate_fn(share[i * self.micro : (i + 1) * self.micro])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._position[0], "global_batches_done": self._position[1]}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        epoch, done = state_dict["epoch"], state_dict["global_batches_done"]
+        self._resume = (epoch + 1, 0) if done >= self.steps else (epoch, done)
+
+
+class StreamingDataModule(GlobalBatchDataModule):
+    """Streams the shards that a subclass returns, with a global batch size, exact resume and exactly-once
+    evaluation (see the module's docstring for how).
+
+    Args:
+        global_batch_size: Samples per optimizer step summed over all devices and micro-batches. A multiple
+            of `streams`.
+        micro_batch_size: Samples one device holds in one forward/backward pass (None: its whole share);
+            gradient accumulation makes up the rest, as in GlobalBatchDataModule.
+        num_workers: DataLoader worker processes per device, each reading whole streams: at most
+            streams / devices of them are used.
+        streams: Parallel read positions in each epoch's order of the shards. Every device count you train
+            or resume on must divide it; global batch k is the same on all of them. More streams mix more
+            shards into each batch and open more shards at once.
+    """
+
+    def __init__(
+        self, global_batch_size: int = 64, micro_batch_size: int | None = None, num_workers: int = 0, streams: int = 8
+    ) -> None:
+        super().__init__(global_batch_size, micro_batch_size, num_workers)
+        if streams < 1 or global_batch_size % streams:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not a multiple of streams={streams}: every stream "
+                "gives each global batch the same number of samples"
+            )
+        self.streams = streams
+
+    # --- what a subclass provides ---------------------------------------------------------------------
+
+    def train_shards(self) -> Sequence[Shard]:
+        """The training shards. Called on every rank in `setup`: return descriptions (names, lengths), not data."""
+        raise NotImplementedError(f"{type(self).__name__} must define train_shards() to be used with fit")
+
+    def val_shards(self) -> Sequence[Shard] | None:
+        """The validation shards, or None for no validation."""
+        return None
+
+    def test_shards(self) -> Sequence[Shard] | None:
+        """The test shards, or None."""
+        return None
+
+    def predict_shards(self) -> Sequence[Shard] | None:
+        """The shards `predict` runs on; the test shards by default."""
+        return self.test_shards()
+
+    # --- as datasets, for data.py's evaluation loaders and the sizes -------------------------------------
+
+    def train_dataset(self) -> Dataset:
+        return ShardSequence(self.train_shards())
+
+    def val_dataset(self) -> Dataset | None:
+        return _sequence(self.val_shards())
+
+    def test_dataset(self) -> Dataset | None:
+        return _sequence(self.test_shards())
+
+    def predict_dataset(self) -> Dataset | None:
+        return _sequence(self.predict_shards())
+
+    def train_sampler(self) -> Any:
+        # setup() calls it to check the global batch before any step; the streams' own condition is checked here.
+        if self.streams % self.world_size:
+            raise ValueError(
+                f"streams={self.streams} is not a multiple of {self.world_size} processes: each rank reads whole "
+                f"streams; set --data.streams to a multiple of every device count you use (e.g. "
+                f"{self.streams * self.world_size})"
+            )
+        return super().train_sampler()
+
+    def train_dataloader(self) -> StreamLoader:
+        collate = self.loader_kwargs().get("collate_fn", default_collate)
+        return StreamLoader(
+            self.train_set.shards,
+            streams=self.streams,
+            global_batch_size=self.global_batch_size,
+            world_size=self.world_size,
+            rank=self.trainer.global_rank if self.trainer else 0,
+            micro_batch_size=self.micro_batch(),
+            seed=self.train_sampler().seed,
+            num_workers=self.num_workers,
+            collate_fn=collate,
+            current_epoch=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
+        )
+
+
+def _sequence(shards: Sequence[Shard] | None) -> ShardSequence | None:
+    return None if shards is None else ShardSequence(shards)
