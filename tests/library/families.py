@@ -2,11 +2,15 @@
 (ddpkit.toy: 64 features, 10 classes), for the guarantee suite's runs in test_model_families.py.
 
 Each is the toy classifier (its logging, metrics and AdamW) with another network: the 64 features are read as a
-1 x 8 x 8 image by the CNNs and as a sequence of 8 tokens of 8 features by the transformer.
+1 x 8 x 8 image by the CNNs and as a sequence of 8 tokens of 8 features by the transformer. And the data that does
+not fit in memory: the toy's blobs as shards, streamed (StreamingToyData).
 """
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
 from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
 from torch.utils.data import Dataset
@@ -39,6 +43,51 @@ class SmallToyData(ToyData):
 
     def test_dataset(self) -> Dataset:
         return blobs(self.val_size, seed=2)
+
+
+# The streaming twin of SmallToyData: 128 training samples in shards of unequal sizes, 37 validation, 37 test.
+SHARD_SIZES = {"train": [37, 5, 23, 41, 22], "val": [20, 17], "test": [30, 7]}
+
+
+def write_toy_shards(directory: Path) -> None:
+    """The toy's blobs (train seed 0, val 1, test 2) as `.pt` shards of SHARD_SIZES, one folder per split."""
+    for seed, (split, sizes) in enumerate(SHARD_SIZES.items()):
+        x, y = blobs(sum(sizes), seed=seed).tensors
+        (directory / split).mkdir(parents=True)
+        for i, part in enumerate(zip(x.split(sizes), y.split(sizes), strict=True)):
+            torch.save(part, directory / split / f"{i:02d}.pt")
+
+
+class StreamingToyData(StreamingDataModule):
+    """The shards of `write_toy_shards` in `shard_dir`, streamed: the guarantee suite on a streaming data module.
+
+    Args:
+        shard_dir: The folder write_toy_shards wrote.
+        global_batch_size: Samples per optimizer step summed over all devices; a multiple of `streams`.
+        micro_batch_size: Samples per forward pass on one device (None: its whole share).
+        num_workers: Loader worker processes per device.
+        streams: Read positions in each epoch's shard order.
+    """
+
+    def __init__(
+        self,
+        shard_dir: str = "",
+        global_batch_size: int = 32,
+        micro_batch_size: int | None = None,
+        num_workers: int = 0,
+        streams: int = 8,
+    ) -> None:
+        super().__init__(global_batch_size, micro_batch_size, num_workers, streams)
+        self.shard_dir = Path(shard_dir)
+
+    def train_shards(self) -> list[LocalShard]:
+        return shard_files(self.shard_dir / "train")
+
+    def val_shards(self) -> list[LocalShard]:
+        return shard_files(self.shard_dir / "val")
+
+    def test_shards(self) -> list[LocalShard]:
+        return shard_files(self.shard_dir / "test")
 
 
 def conv_block(a: int, b: int, norm: nn.Module, stride: int = 1) -> list[nn.Module]:

@@ -1,7 +1,8 @@
 """The guarantee suite's first-wave checks (float64 weights 1 vs 2 devices, logged values, evaluation, accumulation)
 on models of the families users bring (families.py), on 2 CPU processes: a BatchNorm CNN with and without
-synchronized statistics, a GroupNorm CNN whose rounding exceeds the fixed float64 bound, and a transformer whose key
-bias gets no gradient. The checks are the suite's own functions, given the runs the suite's fixtures would make."""
+synchronized statistics, a GroupNorm CNN whose rounding exceeds the fixed float64 bound, a transformer whose key
+bias gets no gradient, and the toy's MLP on a streaming data module. The checks are the suite's own functions, given
+the runs the suite's fixtures would make."""
 
 import inspect
 import os
@@ -14,13 +15,14 @@ from ddpkit.parity import weight_diffs
 from ddpkit.testing import check_parity
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import concurrently, set_project
+from families import write_toy_shards
 from ddpkit.testing.runs import Waves, command, fit, main_cmd, plan, shared_runs
 
 HERE = Path(__file__).resolve().parent
 # 4 global batches of 32 per epoch, 37 validation samples (the ranks' shares differ); no doctor (it times nothing here).
 DATA = ["--data", "families.SmallToyData", "--data.global_batch_size", "32", "--data.train_size", "128"]
 # Seed 0: the GroupNorm CNN's float64 weights, 1 vs 2 devices, then differ by 4.7e-11, over the fixed 1e-12.
-COMMON = [*DATA, "--doctor.enabled", "false", "--seed_everything", "0"]
+COMMON = ["--doctor.enabled", "false", "--seed_everything", "0"]
 # A project's main.py over the toy's config: the fork server imports the CLI once, not every run.
 MAIN = """from ddpkit.cli import main as run_cli
 from ddpkit.toy import CONFIG
@@ -34,11 +36,13 @@ if __name__ == "__main__":
     main()
 """
 MODELS = {
-    "groupnorm": ["--model", "families.GroupNormCNN"],
+    "groupnorm": [*DATA, "--model", "families.GroupNormCNN"],
     # Attention dropout off: random masks differ between 1 and 2 devices (detecting them is not this file's job).
-    "transformer": ["--model", "families.TinyTransformer", "--model.attn_dropout", "0"],
-    "batchnorm": ["--model", "families.BatchNormCNN", "--trainer.sync_batchnorm", "true"],
-    "batchnorm-unsynced": ["--model", "families.BatchNormCNN"],
+    "transformer": [*DATA, "--model", "families.TinyTransformer", "--model.attn_dropout", "0"],
+    "batchnorm": [*DATA, "--model", "families.BatchNormCNN", "--trainer.sync_batchnorm", "true"],
+    "batchnorm-unsynced": [*DATA, "--model", "families.BatchNormCNN"],
+    # The toy's MLP on the same samples as shards (families.SHARD_SIZES), streamed; the folder is the fixture's.
+    "streaming": ["--data", "families.StreamingToyData", "--data.global_batch_size", "32"],
 }
 
 
@@ -62,8 +66,10 @@ def suites(tmp_path_factory) -> dict[str, Suite]:
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PARITY_ARGS")}
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), saved["PYTHONPATH"]]))  # families.py
     suites, jobs = {}, {}
+    write_toy_shards(base / "shards")
+    models = {**MODELS, "streaming": [*MODELS["streaming"], "--data.shard_dir", str(base / "shards")]}
     try:
-        for name, args in MODELS.items():
+        for name, args in models.items():
             configured = describe(*COMMON, *args)
             steps = plan(configured)
             os.environ["PARITY_ARGS"] = shlex.join([*COMMON, *args])  # what the suite's commands append
@@ -139,6 +145,16 @@ def test_transformer_float32_check_passes_with_its_key_bias_at_float32_rounding_
     assert over == {"net.0.key.bias", "net.1.key.bias"} and diffs[0].max_rel > 0.1, diffs[:4]
     assert all(d.max_abs <= bound.at_rounding for d in diffs if d.name in over), bound
     check_parity.test_weights_match_1_vs_2_devices(runs, steps, "fp32")
+
+
+def test_streaming_data_module_passes_like_a_map_style_one(suites):
+    """The suite's checks on a StreamingDataModule (128 samples in shards of 5 to 41, 8 streams): 1 vs 2 devices'
+    float64 weights and logged values, each training sample once per epoch over the ranks, evaluation once, and
+    4 micro-batches, as for the map-style data of the other models."""
+    runs, steps, _ = suites["streaming"]
+    assert (steps["steps_per_epoch"], steps["micro_batch_size"]) == (4, 8)
+    first_wave_checks(suites["streaming"])
+    check_parity.test_gradient_accumulation_keeps_the_global_batch(runs, steps, "1dev-acc4-fp64")
 
 
 def test_batchnorm_cnn_passes_with_synchronized_statistics(suites):
