@@ -61,6 +61,11 @@ def test_data_wait_share_is_data_bound():
     s = summarize([rank(data_ms=12.5, busy_ms=30)] * 2, {"num_workers": 2, "pin_memory": False, "grad_mb": 1.0})
     (finding,) = diagnose(s, Thresholds())
     assert finding["cause"] == "data-bound" and "now 2" in finding["fix"] and finding["fix"].startswith("25%")
+    assert "pin_memory=True (now False) and persistent_workers=True" in finding["fix"]
+    # A streaming loader has neither setting (a new worker set per epoch): no advice on them.
+    s = summarize([rank(data_ms=12.5, busy_ms=30)] * 2, {"num_workers": 2, "pin_memory": None, "grad_mb": 1.0})
+    (finding,) = diagnose(s, Thresholds())
+    assert "now 2" in finding["fix"] and "pin_memory" not in finding["fix"] and "persistent" not in finding["fix"]
 
 
 def test_comm_share_uses_the_rank_that_waits_least():

@@ -205,12 +205,14 @@ def diagnose(s: DoctorRecord, t: Thresholds) -> list[dict[str, str]]:
         )
     if s.loader_wait_pct >= 100 * t.data_wait_share:
         workers, pin = s.num_workers, s.pin_memory
+        # A loader without these settings (ddpkit.streaming's: a new worker set per epoch) gets no advice on them.
+        settings = "" if pin is None else f", set pin_memory=True (now {pin}) and persistent_workers=True"
         found.append(
             {
                 "cause": "data-bound",
                 "fix": f"{s.loader_wait_pct:.0f}% of each step waits for the loader → raise "
-                f"--data.num_workers (now {workers}), set pin_memory=True (now {pin}) and "
-                "persistent_workers=True, or make loading cheaper (decode/augment once, cache, faster disk)",
+                f"--data.num_workers (now {workers}){settings}, or make loading cheaper (decode/augment once, "
+                "cache, faster disk)",
             }
         )
     if s.comm_pct >= 100 * t.comm_share:
