@@ -11,6 +11,7 @@ import early
 import pytest
 from procs import ON_PATH, TESTS, concurrently, toy_ok
 
+from ddpkit.diagnosis import Thresholds
 from ddpkit.record import DoctorRecord, RankRecord
 
 # Every test here times runs (the doctor's verdicts rest on timings): they run first, alone (tests/conftest.py).
@@ -47,9 +48,6 @@ def doctor_fit(root: Path, *args: str) -> tuple[DoctorRecord | None, str]:
 CAUSES = {
     # 2 ms of loading per sample, 8 samples per device and step: ~16 ms waiting per step.
     "data-bound": ("--data", "doctor_cases.SlowData"),
-    # A streaming loader (ddpkit.streaming) whose shard reader sleeps 8 ms per sample, in 2 workers per rank: each
-    # worker reads 2 streams x 2 samples per step, ~32 ms of reading against a step of a few ms.
-    "stream-data-bound": ("--data", "streams.SlowShards", "--data.global_batch_size", "16", "--data.num_workers", "2"),
     # 4.3 M parameters (17 MB of gradients) and 1 sample per device: the all-reduce dominates (with 2 per
     # device it came near the 30% threshold, and under it once: docs/measurements.md, the scaling doctor).
     "comm-bound": ("--model", "doctor_cases.WideModel", "--data.global_batch_size", "2"),
@@ -74,6 +72,18 @@ def causes(tmp_path_factory) -> dict[str, tuple[dict, str]]:
         return doctor_fit(base / name, *CAUSES[name])
 
     return concurrently(fit, CAUSES)
+
+
+# A streaming loader (ddpkit.streaming) whose shard reader sleeps 8 ms per sample, in 2 workers per rank: each
+# worker reads 2 streams x 2 samples per step, ~32 ms of reading against a step of a few ms.
+STREAM = ("--data", "streams.SlowShards", "--data.global_batch_size", "16", "--data.num_workers", "2")
+
+
+@pytest.fixture(scope="module")
+def stream_cause(causes, tmp_path_factory) -> tuple[dict, str]:
+    """The streaming case, after the others: its 4 loader workers starting beside them cost the wide model's
+    all-reduce its lead over the other cases' (one CI run of two: 0.58 vs 1.26 ms)."""
+    return doctor_fit(tmp_path_factory.mktemp("stream-cause"), *STREAM)
 
 
 def test_report_is_printed_once_with_a_row_per_rank(causes):
@@ -107,27 +117,31 @@ def own_parts(rank: RankRecord) -> dict[str, float]:
     }
 
 
-def test_slow_shard_reader_is_data_bound(causes):
+def test_slow_shard_reader_is_data_bound(stream_cause):
     """A slow shard reader behind a streaming loader with 2 workers is named data-bound, with its workers counted.
 
     A finding rather than the verdict: the workers' reads compete for the cores, so on a loaded host one rank's
     wait can exceed the other's enough to be named a straggler first (seen once at load 13)."""
-    summary, _ = causes["stream-data-bound"]
+    summary, _ = stream_cause
     data_bound = [f["fix"] for f in summary.findings if f["cause"] == "data-bound"]
     assert summary.num_workers == 2 and data_bound and "--data.num_workers (now 2)" in data_bound[0]
-    # Each worker reads ~32 ms per step; measured 28 and 38 ms of wait per step alone (docs/measurements.md).
-    assert all(r.data_ms >= 8 for r in summary.ranks), [r.data_ms for r in summary.ranks]
+    # Each worker reads ~32 ms per step; measured 28 and 38 ms of wait per step (docs/measurements.md). The ranks
+    # meet at every all-reduce, so the rank whose workers are behind waits for data and the other for it (run
+    # alone: 2.4 and 27 ms): the slower rank's wait is the figure.
+    assert max(r.data_ms for r in summary.ranks) >= 8, [r.data_ms for r in summary.ranks]
 
 
 def test_wide_model_with_tiny_batches_is_communication_bound(causes):
-    """The all-reduce of 17 MB of gradients, without its threads' wait for a CPU, is the largest part of every
-    rank's step, and its transfer is longer than that of every other case's 0.1 MB all-reduce under the same
-    load (a busy host alone stretches every case's all-reduce, not this one's only)."""
+    """The all-reduce of 17 MB of gradients, without its threads' wait for a CPU, is at least the doctor's
+    communication share of every rank's step, and its transfer is longer than that of every other case's 0.1 MB
+    all-reduce under the same load (a busy host alone stretches every case's all-reduce, not this one's only)."""
     summary, _ = causes["comm-bound"]
     assert summary.comm_measured and summary.grad_mb == pytest.approx(16.6, abs=0.1)
     for rank in summary.ranks:
         parts = own_parts(rank)
-        assert parts["comm"] == max(parts.values()), parts
+        # Mostly the largest part, but compute (1 sample through 4.3M parameters) came first in 2 of 7 idle runs
+        # (comm 3.9 ms, 38% of the step, against 5.4): the share the doctor's verdict uses is the check.
+        assert parts["comm"] >= Thresholds().comm_share * sum(parts.values()), parts
         assert 0 < rank.comm_cpu_wait_ms < rank.comm_ms  # part of the span, measured
     others = [causes[name][0].comm_transfer_ms for name in ("data-bound", "memory", "straggler")]
     assert summary.comm_transfer_ms > max(others), (summary.comm_transfer_ms, others)
