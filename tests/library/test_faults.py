@@ -121,11 +121,14 @@ def test_signal_saves_a_checkpoint_and_says_how_to_resume(results, name, code):
 
 
 def test_kill_during_checkpoint_writes_keeps_last_loadable(results):
-    """kill -9 while a 64 MB last.ckpt is being rewritten: the kill lands mid-write (its partial temporary file
-    is left behind) and last.ckpt, the previous complete version, loads."""
+    """kill -9 while a 64 MB last.ckpt is being rewritten: last.ckpt, the previous complete version, loads after
+    each of three kills. The kill is aimed at a write in progress (a partial temporary file is left behind); on a
+    busy machine one aim in ten CI runs came late (the write had finished), so at least two of three must land
+    mid-write for the check to have tested what it names."""
     saves = [results[f"save{i}"] for i in range(3)]
     tails = [r.output[-2000:] for r in saves]
-    assert [(r.returncode, r.killed_mid_write) for r in saves] == [(-9, True)] * 3, tails
+    assert [r.returncode for r in saves] == [-9] * 3, tails
+    assert sum(r.killed_mid_write for r in saves) >= 2, [(r.partial_bytes, r.output[-500:]) for r in saves]
     assert all(checkpoint_ok(r.workdir / "checkpoints/last.ckpt") for r in saves), tails
 
 
