@@ -62,8 +62,7 @@ def launch(base: Path, name: str, devices: int, *args: str):
     """Start `main.py fit` on `devices` CPU processes; its records in base/name, its checkpoints below it."""
     (base / name).mkdir()
     cmd = [sys.executable, "main.py", "fit", "--trainer.devices", str(devices), "--model.record", str(base / name)]
-    # Everything is local: `datasets` never asks the hub.
-    return start([*cmd, "--trainer.default_root_dir", str(base / name), *args], base, {"HF_DATASETS_OFFLINE": "1"})
+    return start([*cmd, "--trainer.default_root_dir", str(base / name), *args], base)
 
 
 def records(run: Path) -> dict[int, dict[int, list[int]]]:
@@ -78,11 +77,16 @@ def records(run: Path) -> dict[int, dict[int, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory):
     """The four runs: "one" (1 device, 4 micro-batches per step, local .pt shards), "killed" (2 devices, 2 loader
     workers each, SIGKILL at step 19), then "resumed2" and "resumed1" from the killed job's step-18 checkpoint;
     the last three read the mixed shards."""
-    base = tmp_path_factory.mktemp("streaming")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_OFFLINE", "1")  # all local: `datasets` never asks the hub, here or in the runs
+        yield _runs(tmp_path_factory.mktemp("streaming"))
+
+
+def _runs(base: Path) -> dict:
     write_shards(base / "shards")
     fallback = write_shards(base / "mixed", READERS)
     (base / "config.yaml").write_text(CONFIG.format(seed=0, root=base / "shards"))
