@@ -101,7 +101,7 @@ def test_cpu_sweep_compares_like_with_like(project, outcomes):
 
 def test_root_readme_main_job_works(tmp_path):
     """The root README's first command bakes the default project and trains it, in this environment (built by
-    .ci/run with the README's two install commands)."""
+    .ci/run with the README's install commands)."""
     (command,) = [c for c, check in ROOT.items() if isinstance(check, Run)]
     assert command.startswith("pip install torch==2.13.0 && pip install -r requirements.txt && ")
     check = ROOT[command]

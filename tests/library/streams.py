@@ -1,7 +1,11 @@
-"""Local shards of unequal sizes and a float64 regressor that records what each rank trains, for
-test_streaming.py; a slow shard reader for the doctor (test_doctor.py). This folder must be on PYTHONPATH."""
+"""Shards of unequal sizes, as local files or through the source adapters, and a float64 regressor that records
+what each rank trains, for test_streaming.py; a slow shard reader for the doctor (test_doctor.py). This folder
+must be on PYTHONPATH."""
 
+import importlib
+import io
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -13,27 +17,137 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit import sources
+from ddpkit.streaming import LocalShard, Shard, StreamingDataModule
 from ddpkit.toy import blobs
 
 # 385 samples: 12 global batches of 32 and 1 left over. 12 shards for 8 streams, from 5 to 70 samples.
 SIZES = [37, 5, 60, 23, 41, 18, 70, 9, 33, 50, 12, 27]
 
 
-def write_shards(directory: Path, sizes: list[int] = SIZES) -> None:
-    """One .pt file per shard: {"x": (n, 4) float64, "y": (n, 1), "id": (n,) int64}, ids 0..sum(sizes)-1."""
+# Shard i of a mixed set is read by READERS[i % 4]: every adapter reads shards of several sizes and places.
+READERS = ("pt", "tar", "parquet", "litdata")
+LIBRARIES = {"tar": "webdataset", "parquet": "datasets", "litdata": "litdata"}  # what each reader needs
+
+
+def write_shards(directory: Path, readers: tuple[str, ...] = ("pt",), sizes: list[int] = SIZES) -> dict[str, str]:
+    """The same samples whatever the readers: shard i holds {"x": (n, 4) float64, "y": (n, 1), "id": (n,) int64},
+    ids from 0 on, written for reader readers[i % len(readers)]: a .pt file, a WebDataset tar, a Parquet file
+    (read as a streaming `datasets` dataset) or a chunk of one LitData dataset (`litdata.optimize`, appended in
+    shard order). A reader whose library is not installed gets .pt files instead; readers.json names each
+    shard's reader. Returns {reader: its missing library} for those."""
     directory.mkdir(parents=True, exist_ok=True)
     weights = torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64)
-    first = 0
+    missing = {r: LIBRARIES[r] for r in set(readers) if r in LIBRARIES and not _importable(LIBRARIES[r])}
+    chosen, first = [], 0
     for i, size in enumerate(sizes):
         x = torch.randn(size, 4, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
-        ids = torch.arange(first, first + size)
-        torch.save({"x": x, "y": x @ weights, "id": ids}, directory / f"shard{i:02d}.pt")
+        columns = {"x": x, "y": x @ weights, "id": torch.arange(first, first + size)}
+        reader = readers[i % len(readers)]
+        chosen.append("pt" if reader in missing else reader)
+        _WRITERS[chosen[-1]](directory, f"shard{i:02d}", columns)
         first += size
+    (directory / "readers.json").write_text(json.dumps(chosen))
+    return missing
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _rows(columns: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    # Copies: a view would save its whole shard's storage.
+    return [{key: value[j].clone() for key, value in columns.items()} for j in range(len(columns["id"]))]
+
+
+def _write_pt(directory: Path, name: str, columns: dict) -> None:
+    torch.save(columns, directory / f"{name}.pt")
+
+
+def _write_tar(directory: Path, name: str, columns: dict) -> None:
+    import webdataset
+
+    with webdataset.TarWriter(str(directory / f"{name}.tar")) as tar:
+        for row in _rows(columns):
+            data = io.BytesIO()
+            torch.save(row, data)
+            tar.write({"__key__": f"{row['id'].item():06d}", "pth": data.getvalue()})
+
+
+def _tar_sample(sample: dict) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(sample["pth"]), weights_only=True)
+
+
+def _write_parquet(directory: Path, name: str, columns: dict) -> None:
+    import pyarrow as pa  # installed with datasets
+    import pyarrow.parquet as pq
+
+    (directory / "parquet").mkdir(exist_ok=True)
+    table = pa.table({key: value.tolist() for key, value in columns.items()})  # Python floats: exact float64
+    pq.write_table(table, directory / "parquet" / f"{name}.parquet")
+
+
+def _as_tensors(row: dict) -> dict[str, torch.Tensor]:
+    # Not with_format("torch"): datasets casts float64 columns to float32 there.
+    return {"x": torch.tensor(row["x"], dtype=torch.float64), "y": torch.tensor(row["y"], dtype=torch.float64),
+            "id": torch.tensor(row["id"])}  # fmt: skip
+
+
+def _write_litdata(directory: Path, name: str, columns: dict) -> None:
+    import litdata
+
+    out = directory / "litdata"
+    # optimize sets the process's start method for good: put back the caller's (test_sources.py does the same).
+    method = multiprocessing.get_start_method(allow_none=True)
+    # One chunk per call (chunk_bytes far above a shard), appended: chunk-0-0.bin, chunk-0-1.bin, ... in order.
+    litdata.optimize(
+        fn=_as_is, inputs=_rows(columns), output_dir=str(out), chunk_bytes="64MB", num_workers=1,
+        start_method="fork", mode="append" if (out / "index.json").exists() else None,
+    )  # fmt: skip
+    multiprocessing.set_start_method(method, force=True)
+
+
+def _as_is(row: dict) -> dict:
+    return row
+
+
+_WRITERS = {"pt": _write_pt, "tar": _write_tar, "parquet": _write_parquet, "litdata": _write_litdata}
+
+
+def read_shards(directory: Path) -> list[Shard]:
+    """The shards of `write_shards` in `directory`, in shard order, each through its reader (ddpkit.sources for
+    all but .pt). The streaming module orders shards by their place in this list, not by name."""
+    readers = json.loads((directory / "readers.json").read_text())
+    opened = {r: iter(_open(directory, r, [i for i, s in enumerate(readers) if s == r])) for r in set(readers)}
+    return [next(opened[r]) for r in readers]
+
+
+def _open(directory: Path, reader: str, indices: list[int]) -> list[Shard]:
+    names = [f"shard{i:02d}" for i in indices]
+    if reader == "pt":
+        return [LocalShard(directory / f"{name}.pt") for name in names]
+    if reader == "tar":
+        return sources.webdataset_shards([str(directory / f"{name}.tar") for name in names], transform=_tar_sample)
+    if reader == "litdata":
+        return sources.litdata_shards(directory / "litdata")
+    import datasets
+    import pyarrow.parquet as pq
+
+    files = [str(directory / "parquet" / f"{name}.parquet") for name in names]
+    stream = datasets.load_dataset(
+        "parquet", data_files=files, split="train", streaming=True, cache_dir=str(directory / "hf-cache")
+    )
+    # Parquet files hold their row counts in their footers: exact lengths without reading the rows.
+    lengths = [pq.ParquetFile(f).metadata.num_rows for f in files]
+    return sources.hf_shards(stream.map(_as_tensors), lengths=lengths)
 
 
 class UnevenShards(StreamingDataModule):
-    """The shards of `write_shards` in `root`.
+    """The shards of `write_shards` in `root`, each through its reader.
 
     Args:
         root: Folder of the shards.
@@ -54,8 +168,8 @@ class UnevenShards(StreamingDataModule):
         super().__init__(global_batch_size, micro_batch_size, num_workers, streams)
         self.root = root
 
-    def train_shards(self) -> list[LocalShard]:
-        return shard_files(self.root)
+    def train_shards(self) -> list[Shard]:
+        return read_shards(Path(self.root))
 
 
 class RecordingRegressor(L.LightningModule):

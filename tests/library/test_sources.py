@@ -51,7 +51,7 @@ def _lit_item(i):
 
 @pytest.fixture(scope="module")
 def lit_dir(tmp_path_factory):
-    litdata = pytest.importorskip("litdata", reason="not in the template CI's install (requirements.txt says why)")
+    litdata = pytest.importorskip("litdata", reason="install it: pip install --no-deps litdata==0.2.76 (README)")
     out = tmp_path_factory.mktemp("litdata")
     # optimize sets the process's start method for good (force=True): put back the one the session had, so
     # that later tests' DataLoader workers and processes start as before. Forked, its worker imports nothing.

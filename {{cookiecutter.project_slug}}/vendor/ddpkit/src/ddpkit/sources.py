@@ -206,7 +206,8 @@ def hf_shards(
       this fails saying so. Then every promise holds; `read(start)` reads through the first `start` rows.
       Give the dataset before `split_dataset_by_node` and without `shuffle` (the module shuffles shards).
 
-    Rows come as `dataset` yields them (its format, e.g. `with_format("torch")`, is kept).
+    Rows come as `dataset` yields them (its format and `map`s are kept). `with_format("torch")` (and "numpy")
+    makes float64 columns float32; to keep float64, convert in a `dataset.map(...)` instead.
     """
     import datasets
 

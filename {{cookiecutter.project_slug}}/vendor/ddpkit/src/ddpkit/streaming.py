@@ -9,11 +9,12 @@ A shard is any object with a `name`, a `len()` known before reading it and `read
 samples from index `start` on, in the same order every time (`Shard`). `shard_files` makes them from local
 files; `ddpkit.sources` from LitData, WebDataset and `datasets` shards.
 
-How training reads them. Every epoch the shards are put in a seeded order (`--seed_everything` + epoch) and
-seen as one sequence of N samples. It is cut into `streams` contiguous pieces of equal length, S = `streams`;
-global batch k is the next B/S samples of every stream, in stream order (B = `global_batch_size`). Rank r of
-W reads streams r*S/W .. (r+1)*S/W - 1, so its share of global batch k is the r-th contiguous slice of the
-batch 1 device trains, as with the map-style sampler. Hence:
+How training reads them. Every epoch the shards are put in a seeded order (`--seed_everything` + epoch; a
+permutation of their places in the list, so shards of several sources mix) and seen as one sequence of N
+samples. It is cut into `streams` contiguous pieces of equal length, S = `streams`; global batch k is the
+next B/S samples of every stream, in stream order (B = `global_batch_size`). Rank r of W reads streams
+r*S/W .. (r+1)*S/W - 1, so its share of global batch k is the r-th contiguous slice of the batch 1 device
+trains, as with the map-style sampler. Hence:
 - global batch k is the same on any device count whose count divides S;
 - each sample of an epoch is in at most one global batch; the tail of N mod B samples (under one global
   batch, at a different place every epoch) is not trained, as in data.py;
@@ -48,7 +49,7 @@ from .data import GlobalBatchDataModule
 class Shard(Protocol):
     """What the streaming data module reads: one piece of a source (a file, a tar, a chunk)."""
 
-    name: str  # stable id (file name / url); used in errors and for a seeded shuffle
+    name: str  # stable id (file name / url), for errors; the shuffle permutes places in the list, not names
 
     def __len__(self) -> int:  # number of samples in the shard, known before reading it
         ...
