@@ -20,7 +20,7 @@ from procs import concurrently, finish, start
 from streams import READERS, SIZES, UnevenShards, write_shards
 from torch.utils.data import IterableDataset
 
-from ddpkit import GlobalBatchDataModule, sources
+from ddpkit import GlobalBatchDataModule
 from ddpkit.parity import load_weights, max_abs
 from ddpkit.streaming import StreamLoader, shard_files
 
@@ -253,33 +253,3 @@ def test_global_batch_module_given_an_iterable_dataset_points_to_streaming():
     ):
         Data(global_batch_size=2).setup("fit")
 
-
-def test_webdataset_tar_shards_stream_and_resume_through_the_core(tmp_path):
-    """WebDataset tar shards of 5 to 70 samples (ddpkit.sources, the adapters' side of the Shard contract): 2
-    ranks give 1 device's global batches, 384 distinct samples an epoch, and loaders restored at global batch 5
-    continue with it (a tar reads through to the offset)."""
-    webdataset = pytest.importorskip("webdataset", reason="ddpkit[webdataset] is not installed")
-    first = 0
-    for i, size in enumerate(SIZES):
-        with webdataset.TarWriter(str(tmp_path / f"shard{i:02d}.tar")) as tar:
-            for sample in range(first, first + size):
-                tar.write({"__key__": f"{sample:06d}", "id.txt": str(sample)})
-        first += size
-    shards = sources.webdataset_shards(sorted(str(p) for p in tmp_path.glob("*.tar")), transform=_tar_id)
-
-    def batches(world: int, rank: int, done: int = 0) -> list[list[int]]:
-        loader = StreamLoader(
-            shards, streams=8, global_batch_size=32, world_size=world, rank=rank,
-            micro_batch_size=32 // world, seed=0, current_epoch=lambda: 0,
-        )  # fmt: skip
-        loader.load_state_dict({"epoch": 0, "global_batches_done": done})
-        return [batch.tolist() for batch in loader]
-
-    one = batches(1, 0)
-    assert [len(b) for b in one] == [32] * STEPS_PER_EPOCH and len(set(sum(one, []))) == STEPS_PER_EPOCH * 32
-    assert [a + b for a, b in zip(batches(2, 0), batches(2, 1), strict=True)] == one
-    assert [a + b for a, b in zip(batches(2, 0, 5), batches(2, 1, 5), strict=True)] == one[5:]
-
-
-def _tar_id(sample: dict) -> int:
-    return int(sample["id.txt"])
