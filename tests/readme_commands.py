@@ -12,16 +12,18 @@ The checks:
   Where the README shows output (a block opening with `$ command`), each `expect` string must also be in
   the output the README shows. The command runs as written or with one of these substitutions for a 2-core
   CPU machine, each visible in the table: fewer steps (`FEW`), 2 CPU processes where the README has 4 or 8
-  GPUs, this machine for the other node of a rendezvous.
+  GPUs, this machine for the other node of a rendezvous, a run folder outside the project (`aside`) for the
+  commands of the third chain.
 - `NeedsGPU`: without a GPU the command stops at once with one `error:` line and exit 2, like other bad
   input; with `--print_config` added it must parse (exit 0).
 - `Scheduler`: `sbatch` becomes `bash` under the variables SLURM sets, with a stand-in `srun` that runs its
   command with `--print_config` added: the command the script composes parses and holds `expect`.
 - `Elsewhere`: another test runs this command (named, and checked to exist).
 
-`run_readme` runs the install commands first, then the rest in two chains at once, each in README order (a
+`run_readme` runs the install commands first, then the rest in three chains at once, each in README order (a
 later command may use what an earlier one trained): `SECOND_CHAIN` holds the commands that neither write nor
-read the project's runs (lightning_logs/, runs/), the first chain all others.
+read the project's runs (lightning_logs/, runs/), `THIRD_CHAIN` those that read no earlier run and train in a
+folder of their own outside the project, the first chain all others.
 """
 
 import re
@@ -36,6 +38,12 @@ from bakes import TEMPLATE, run
 
 FEW = " --trainer.max_steps 20"  # fewer steps: enough for a validation pass, a checkpoint and the doctor
 FEW_LM = " --trainer.max_steps 4"  # the language model's steps are ~0.4 s on this machine
+
+
+def aside(name: str) -> str:
+    """A run folder outside the project (ASIDE, for the third chain): `--ckpt_path last`, `best` and `auto` in the
+    first chain take the newest checkpoint anywhere under the project, which must be the first chain's."""
+    return f" --trainer.default_root_dir ASIDE/{name}"
 
 
 @dataclass
@@ -108,35 +116,42 @@ GENERATED = {
     ),
     "NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 bash cluster/torchrun.sh": Run(
         "NNODES=1 GPUS_PER_NODE=2 RDZV_ENDPOINT=localhost:PORT bash cluster/torchrun.sh --trainer.accelerator cpu"
-        + FEW,
+        + FEW
+        + aside("torchrun"),
         ["Scaling doctor: 2 x cpu"],
     ),
-    "python main.py fit --config configs/lm.yaml": Run("python main.py fit --config configs/lm.yaml" + FEW_LM),
+    "python main.py fit --config configs/lm.yaml": Run(
+        "python main.py fit --config configs/lm.yaml" + FEW_LM + aside("lm")
+    ),
     "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml": Run(
-        "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml" + FEW_LM, ["2 x cpu"]
+        "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml" + FEW_LM + aside("lm-mp"),
+        ["2 x cpu"],
     ),
     "python main.py fit --config configs/lm.yaml --config configs/fsdp.yaml": NeedsGPU(NO_GPU),
     "python main.py fit --config configs/stream.yaml": Run(
-        "python main.py fit --config configs/stream.yaml" + FEW, ["Scaling doctor: 1 x cpu"]
+        "python main.py fit --config configs/stream.yaml" + FEW + aside("stream"), ["Scaling doctor: 1 x cpu"]
     ),
     "python main.py fit --config configs/stream.yaml --trainer.devices 2": Run(
-        "python main.py fit --config configs/stream.yaml --trainer.devices 2" + FEW, ["Scaling doctor: 2 x cpu"]
+        "python main.py fit --config configs/stream.yaml --trainer.devices 2" + FEW + aside("stream-2"),
+        ["Scaling doctor: 2 x cpu"],
     ),
     (
         "python main.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 100 "
         "--doctor.measure_comm true"
     ): Run(
         "python main.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 20 "
-        "--doctor.measure_comm true",
+        "--doctor.measure_comm true" + aside("comm"),
         DOCTOR_LINES,
         absent=["comm not timed"],
     ),
     "python main.py fit --doctor.report_every_n_steps 100": Run(
-        "python main.py fit --doctor.report_every_n_steps 100" + FEW, ["Scaling doctor"]
+        "python main.py fit --doctor.report_every_n_steps 100" + FEW + aside("every"), ["Scaling doctor"]
     ),
-    "python main.py fit --doctor.comm_share 0.5": Run("python main.py fit --doctor.comm_share 0.5" + FEW),
+    "python main.py fit --doctor.comm_share 0.5": Run(
+        "python main.py fit --doctor.comm_share 0.5" + FEW + aside("share")
+    ),
     "python main.py fit --doctor.enabled false": Run(
-        "python main.py fit --doctor.enabled false" + FEW, absent=["Scaling doctor"]
+        "python main.py fit --doctor.enabled false" + FEW + aside("off"), absent=["Scaling doctor"]
     ),
     'pip install -e ".[scaling]"': Run(),
     'pip install -e ".[trackers]"': Run(),
@@ -243,12 +258,33 @@ SECOND_CHAIN = {
 }
 
 
+# The commands of the third chain: each reads no earlier run and writes its run outside the project (`aside`;
+# the refused FSDP command writes nothing), so none of them is the newest checkpoint the first chain looks for.
+THIRD_CHAIN = {
+    "NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 bash cluster/torchrun.sh",
+    "python main.py fit --config configs/lm.yaml",
+    "python main.py fit --config configs/lm.yaml --config configs/model_parallel.yaml",
+    "python main.py fit --config configs/lm.yaml --config configs/fsdp.yaml",
+    "python main.py fit --config configs/stream.yaml",
+    "python main.py fit --config configs/stream.yaml --trainer.devices 2",
+    (
+        "python main.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 100 "
+        "--doctor.measure_comm true"
+    ),
+    "python main.py fit --doctor.report_every_n_steps 100",
+    "python main.py fit --doctor.comm_share 0.5",
+    "python main.py fit --doctor.enabled false",
+}
+
+
 def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
     """Run one command of the generated README as its check says: {command: (what ran, exit status, output)}
     (and the `--print_config` run of a NeedsGPU command)."""
     check, env = GENERATED[command], dict(env)
     if isinstance(check, Run):
-        ran = (check.command or command).replace("PORT", str(free_port()))
+        ran = (
+            (check.command or command).replace("PORT", str(free_port())).replace("ASIDE", str(project.parent / "aside"))
+        )
     elif isinstance(check, NeedsGPU):
         ran = command
     else:  # Scheduler
@@ -266,7 +302,7 @@ def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
 
 
 def run_readme(project: Path, env: dict, bin_dir: Path) -> dict:
-    """Every command of the generated README that runs here: the installs in README order, then the two chains
+    """Every command of the generated README that runs here: the installs in README order, then the three chains
     at once. Returns {command: (what ran, exit status, output)} and the project's config.yaml before."""
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
@@ -278,14 +314,14 @@ def run_readme(project: Path, env: dict, bin_dir: Path) -> dict:
     for command in installs:
         results |= run_command(command, project, env, bin_dir)
 
-    def chain(second: bool) -> dict:
+    def chain(number: int) -> dict:
         done = {}
         for command in commands:
-            if command not in installs and (command in SECOND_CHAIN) == second:
+            if command not in installs and 1 + (command in SECOND_CHAIN) + 2 * (command in THIRD_CHAIN) == number:
                 done |= run_command(command, project, env, bin_dir)
         return done
 
-    with ThreadPoolExecutor(2) as pool:
-        for done in pool.map(chain, (False, True)):
+    with ThreadPoolExecutor(3) as pool:
+        for done in pool.map(chain, (1, 2, 3)):
             results |= done
     return results

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from bakes import TEMPLATE, run, torch_pin
-from readme_commands import GENERATED, ROOT, Elsewhere, NeedsGPU, Run, shell_commands
+from readme_commands import GENERATED, ROOT, SECOND_CHAIN, THIRD_CHAIN, Elsewhere, NeedsGPU, Run, shell_commands
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,16 @@ def test_every_readme_command_is_listed(project, readme):
     documented = [command for command, _ in shell_commands(path.read_text())]
     assert sorted(set(documented) - set(table)) == [], "add these to the table in tests/test_docs.py"
     assert sorted(set(table) - set(documented)) == [], "these are no longer in the README"
+
+
+def test_each_command_runs_in_one_chain_and_the_third_outside_the_project():
+    """The chains of run_readme share no command, and every run of the third chain has its folder outside the
+    project, where the first chain's `--ckpt_path last`, `best` and `auto` do not look."""
+    assert SECOND_CHAIN | THIRD_CHAIN <= set(GENERATED) and not SECOND_CHAIN & THIRD_CHAIN
+    for command in THIRD_CHAIN:
+        check = GENERATED[command]
+        last = isinstance(check, Run) and re.search(r" --trainer\.default_root_dir ASIDE/[\w-]+$", check.command)
+        assert isinstance(check, NeedsGPU) or last, command  # last: it overrides one that cluster/torchrun.sh sets
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,16 @@
 """Bad command-line input fails at once: one `error:` line, status 2, no rank started, nothing written.
 Risky configuration is caught early: a monitored metric the module never logs, a plain data module."""
 
+import json
 import os
 import pickle
-from concurrent.futures import ThreadPoolExecutor
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from procs import fake_gpus_env, toy, toy_ok
+from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
 from streams import PlainStream
 
 from ddpkit.cli import (
@@ -74,40 +77,70 @@ CASES = {
 VISIBLE_GPUS = {"no GPU": 0, "no GPU, devices auto": 0, "1 GPU, 2 asked": 1}
 
 
+# These run as real launches of `python -m ddpkit.toy` (the entry point; the GPUs faked at start-up): one that
+# fails on the GPU count, one that fails last, after model, data and trainer exist. The others run one after
+# another in one interpreter (one_interpreter.py), which saves torch's and Lightning's import for each; a rank
+# that any of them launched would still leave its marker, and writes would land in its own folder.
+LAUNCHED = {"1 GPU, 2 asked", "other shapes"}
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Each bad command on 2 CPU processes, run three at a time, each in an empty directory."""
+    """Each bad command on 2 CPU processes, each in an empty folder: {name: (exit status, output, whether a rank
+    was spawned, what its folder holds)}."""
     base = tmp_path_factory.mktemp("bad")
     ckpts = checkpoints(base / "ckpts")
     site = fake_gpus_env(base / "site", 0, SPAWN_MARKER)  # written once, before the runs start
     del site["FAKE_CUDA_DEVICES"]  # set below for the cases that fake GPUs; the others see this machine's
+    folder = {name: base / name.replace(" ", "_") for name in CASES}
+    for name in CASES:
+        folder[name].mkdir()
 
-    def run(name):
-        cwd = base / name.replace(" ", "_")
-        cwd.mkdir()
+    def case(name):
         args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
-        marker = base / f"{cwd.name}.spawned"
-        env = {**site, "SPAWN_MARKER": str(marker)}
-        if name in VISIBLE_GPUS:
-            env["FAKE_CUDA_DEVICES"] = str(VISIBLE_GPUS[name])
-        result = toy(
-            "fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args, cwd=cwd, env=env, timeout=120
-        )
-        return name, (result, marker.exists(), sorted(p.name for p in cwd.iterdir()))
+        args = ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args]
+        marker = {"SPAWN_MARKER": f"{folder[name]}.spawned"}
+        out = f"{folder[name]}.out"
+        return {"args": args, "cwd": str(folder[name]), "gpus": VISIBLE_GPUS.get(name), "env": marker, "out": out}
 
-    with ThreadPoolExecutor(3) as pool:
-        return dict(pool.map(run, CASES))
+    def launch(name):
+        c = case(name)
+        env = {**site, **c["env"]} | ({} if c["gpus"] is None else {"FAKE_CUDA_DEVICES": str(c["gpus"])})
+        result = toy(*c["args"], cwd=folder[name], env=env, timeout=120)
+        return [(result.returncode, result.stdout)]
+
+    def in_one_interpreter(names):
+        (base / "cases.json").write_text(json.dumps([case(name) for name in names]))
+        cmd = [sys.executable, str(TESTS / "one_interpreter.py"), str(base / "cases.json")]
+        interpreter = run(cmd, base, timeout=240, env=site)
+        ran = []
+        for name in names:  # a case the interpreter did not finish: status None, its output and the interpreter's
+            out = Path(f"{folder[name]}.out")
+            out = out.read_text() if out.exists() else ""
+            ended = re.search(r"\nexit status (-?\d+)\n$", out)
+            ran.append((int(ended[1]), out[: ended.start()]) if ended else (None, out + interpreter.stdout))
+        return ran
+
+    together = [name for name in CASES if name not in LAUNCHED]
+    jobs = {name: lambda n=name: launch(n) for name in LAUNCHED} | {"": lambda: in_one_interpreter(together)}
+    done = concurrently(lambda job: jobs[job](), jobs)
+    ran = dict(zip(together, done.pop(""), strict=True)) | {name: out[0] for name, out in done.items()}
+    spawned = {name: Path(case(name)["env"]["SPAWN_MARKER"]).exists() for name in CASES}
+    return {
+        name: (code, out, spawned[name], sorted(p.name for p in folder[name].iterdir()))
+        for name, (code, out) in ran.items()
+    }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_fails_fast_with_one_line(outcomes, name):
     """Status 2 and an `error:` line naming the problem; no rank 1 process started; no file written."""
-    result, spawned, written = outcomes[name]
-    errors = [line for line in result.stdout.splitlines() if "error:" in line]
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert len(errors) == 1 and CASES[name][1] in errors[0], result.stdout[-3000:]
+    code, out, spawned, written = outcomes[name]
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert code == 2, out[-3000:]
+    assert len(errors) == 1 and CASES[name][1] in errors[0], out[-3000:]
     assert not spawned and written == []
-    assert "code from the checkpoint ran" not in result.stdout
+    assert "code from the checkpoint ran" not in out
 
 
 def test_checkpoint_arguments_that_replace_given_ones_are_warned(tmp_path, capsys):
