@@ -3,8 +3,9 @@ tests run in.
 
 The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
 first, while nothing else of ours runs. The first test after them starts the long jobs that time nothing in
-the background, those its session will read: the generated README's commands (readme_commands.py) and the
-own project's story (own_project.py), besides tests/library's early jobs (tests/library/early.py). The
+the background, those its session will read: the generated README's commands (readme_commands.py), the
+own project's story (own_project.py) and the benchmark's tiny run (test_benchmarks.py), besides tests/library's
+early jobs (tests/library/early.py). The
 other tests run meanwhile; the ones that read a job wait for its result. From then on, the processes the tests
 start let idle OpenMP threads sleep (`idle_threads_sleep`).
 """
@@ -18,7 +19,7 @@ import pytest
 from bakes import bake, fresh_env, torch_pin
 
 # Session fixtures that start a background job, started by the first test that is not a timing one.
-BACKGROUND = ("readme_runs", "own_project_story")
+BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run")
 
 
 def pytest_configure(config):
@@ -91,6 +92,15 @@ def readme_runs(readme_project, tmp_path_factory) -> Future:
     venv, bin_dir = tmp_path_factory.mktemp("venv") / "venv", tmp_path_factory.mktemp("bin")
     with ThreadPoolExecutor(1) as pool:
         yield pool.submit(lambda: run_readme(readme_project, torch_env(venv), bin_dir))
+
+
+@pytest.fixture(scope="session")
+def benchmark_run(tmp_path_factory) -> Future:
+    """The benchmark's tiny run (test_benchmarks.run_benchmark) in the background; its tests wait for the report."""
+    from test_benchmarks import run_benchmark
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_benchmark, tmp_path_factory.mktemp("bench") / "report.json")
 
 
 @pytest.fixture(scope="session")

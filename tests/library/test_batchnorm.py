@@ -7,6 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
+import early
 import lightning as L
 import pytest
 import torch
@@ -283,12 +284,11 @@ trainer:
 MAIN = "from pathlib import Path\nfrom ddpkit.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
 
 
-def test_cli_fit_on_two_processes_equals_one(tmp_path):
-    """`fit --trainer.sync_batchnorm true` on 2 CPU processes (the plugin given by name does the same) trains a
-    BatchNorm CNN's weights and running stats as 1 process; without the switch, rank 0 warns once, naming it,
-    before training starts, and a synced run does not warn."""
-    (tmp_path / "config.yaml").write_text(CONFIG)
-    (tmp_path / "main.py").write_text(MAIN)
+@early.early("batchnorm_cli_runs")
+def _cli_runs(base: Path) -> dict:
+    """The four CLI runs of the test below, at once; started with the session (early.py): they time nothing."""
+    (base / "config.yaml").write_text(CONFIG)
+    (base / "main.py").write_text(MAIN)
     env = {"PYTHONPATH": str(HERE)}
     runs = {
         "1": ["--trainer.devices", "1"],
@@ -297,17 +297,34 @@ def test_cli_fit_on_two_processes_equals_one(tmp_path):
         "unsynced": ["--trainer.devices", "2", "--trainer.max_steps", "1"],
     }
     procs = {
-        name: start([sys.executable, "main.py", "fit", *args, "--trainer.default_root_dir", str(tmp_path / name)],
-                    tmp_path, env)
+        name: start([sys.executable, "main.py", "fit", *args, "--trainer.default_root_dir", str(base / name)],
+                    base, env)
         for name, args in runs.items()
     }  # fmt: skip
-    results = {name: finish(proc, timeout=300) for name, proc in procs.items()}
+    return {name: finish(proc, timeout=300) for name, proc in procs.items()} | {"root": base}
+
+
+@pytest.fixture(scope="module")
+def batchnorm_cli_runs() -> dict:
+    return early.result("batchnorm_cli_runs")
+
+
+def test_cli_fit_on_two_processes_equals_one(batchnorm_cli_runs):
+    """`fit --trainer.sync_batchnorm true` on 2 CPU processes (the plugin given by name does the same) trains a
+    BatchNorm CNN's weights and running stats as 1 process; without the switch, rank 0 warns once, naming it,
+    before training starts, and a synced run does not warn."""
+    results = dict(batchnorm_cli_runs)
+    tmp_path = results.pop("root")
     for name, result in results.items():
         assert result.returncode == 0, f"{name}:\n{result.stdout[-4000:]}"
-    warned = {name: [line for line in r.stdout.splitlines() if "BatchNorm layers" in line] for name, r in results.items()}
+    warned = {
+        name: [line for line in r.stdout.splitlines() if "BatchNorm layers" in line] for name, r in results.items()
+    }
     assert len(warned["unsynced"]) == 1 and "--trainer.sync_batchnorm true" in warned["unsynced"][0]
     assert warned["1"] == warned["2"] == warned["plugin"] == []
-    weights = {name: load_weights(next((tmp_path / name / "checkpoints").glob("*.ckpt"))) for name in ("1", "2", "plugin")}
+    weights = {
+        name: load_weights(next((tmp_path / name / "checkpoints").glob("*.ckpt"))) for name in ("1", "2", "plugin")
+    }
     one = weights["1"]
     assert {k for k in one if "running_var" in k} == {"net.1.running_var", "net.4.running_var", "net.8.running_var"}
     assert one["net.1.num_batches_tracked"].item() == weights["2"]["net.1.num_batches_tracked"].item() == 16

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import early
 import pytest
 import torch
 import yaml
@@ -123,12 +124,17 @@ def one_device(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> dict:
-    """{"elastic": (codes, logs, root), "trainjob": (codes, logs, root), "one": root}, run together."""
-    base = tmp_path_factory.mktemp("cluster")
+@early.early("cluster_jobs")
+def _cluster_jobs(base: Path) -> dict:
+    """{"elastic": (codes, logs, root), "trainjob": (codes, logs, root), "one": root}, run together. Started with
+    the session (early.py): most of their time is the steps' sleep and the restart, which time nothing."""
     runs = {"elastic": elastic_job, "trainjob": trainjob_job, "one": one_device}
     return concurrently(lambda name: runs[name](base / name), runs)
+
+
+@pytest.fixture(scope="module")
+def cluster_jobs() -> dict:
+    return early.result("cluster_jobs")
 
 
 def last(root: Path) -> dict:
@@ -136,12 +142,12 @@ def last(root: Path) -> dict:
     return torch.load(root / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
 
 
-def test_killed_node_process_restarts_and_ends_with_uninterrupted_weights(jobs):
+def test_killed_node_process_restarts_and_ends_with_uninterrupted_weights(cluster_jobs):
     """After agent 1's process is killed in epoch 1, torchrun restarts both nodes' processes once; the restart
     resumes epoch 0's last.ckpt (`--ckpt_path auto`, which had started the run), logs into the same directory,
     and ends with the weights of the uninterrupted 2-node run bit for bit (the same float64 sums in the same
     order: 0.0 measured)."""
-    codes, logs, root = jobs["elastic"]
+    codes, logs, root = cluster_jobs["elastic"]
     assert codes == [0, 0], logs[-4000:]
     checkpoint = root / "lightning_logs/version_0/checkpoints/last.ckpt"
     assert logs.count(f"fit: --ckpt_path auto: no complete checkpoint under {root}; starting a new run\n") == 1
@@ -150,7 +156,7 @@ def test_killed_node_process_restarts_and_ends_with_uninterrupted_weights(jobs):
     # Each rank started twice: at step 0, and again at epoch 0's end.
     assert sorted(re.findall(PROBE, logs)) == [(r, r, s) for r in "01" for s in ("0", str(STEPS_PER_EPOCH))]
     assert [p.name for p in (root / "lightning_logs").iterdir()] == ["version_0"]
-    uninterrupted = last(jobs["trainjob"][2])
+    uninterrupted = last(cluster_jobs["trainjob"][2])
     assert last(root)["global_step"] == uninterrupted["global_step"] == 2 * STEPS_PER_EPOCH
     assert max_abs(last(root)["state_dict"], uninterrupted["state_dict"]) == 0.0
     # One tracker run: rank 0's, continued by the restart (its id saved beside the checkpoints), the restarted
@@ -171,13 +177,13 @@ def test_killed_node_process_restarts_and_ends_with_uninterrupted_weights(jobs):
     assert len(steps["val/loss"]) == 2 and steps["val/loss"][-1] >= 2 * STEPS_PER_EPOCH - 1, steps
 
 
-def test_trainjob_command_on_two_nodes_trains_one_device_weights(jobs):
+def test_trainjob_command_on_two_nodes_trains_one_device_weights(cluster_jobs):
     """The TrainJob's command under the runtime's PET_* variables forms 2 nodes x 1 process (torchrun reads them;
     Lightning takes its shape from torchrun) and ends within float64 rounding of 1 device."""
-    codes, logs, root = jobs["trainjob"]
+    codes, logs, root = cluster_jobs["trainjob"]
     assert codes == [0, 0], logs[-4000:]
     assert "fit: --ckpt_path auto: no complete checkpoint under" in logs
-    two, one = last(root), last(jobs["one"])
+    two, one = last(root), last(cluster_jobs["one"])
     assert two["global_step"] == one["global_step"] == 2 * STEPS_PER_EPOCH
     worst = max(d.max_rel for d in weight_diffs(one["state_dict"], two["state_dict"]))
     assert worst <= BOUND, worst
