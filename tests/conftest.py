@@ -5,9 +5,8 @@ The order: tests marked `timing` (the doctor's and the scaling gap's, which asse
 first, while nothing else of ours runs. The first test after them starts the long jobs that time nothing in
 the background, those its session will read: the generated README's commands (readme_commands.py), the
 own project's story (own_project.py) and the benchmark's tiny run (test_benchmarks.py), besides tests/library's
-early jobs (tests/library/early.py). The
-other tests run meanwhile; the ones that read a job wait for its result. From then on, the processes the tests
-start let idle OpenMP threads sleep (`idle_threads_sleep`).
+early jobs (tests/library/early.py). The other tests run meanwhile; the ones that read a job wait for its result.
+From then on, the processes the tests start let idle OpenMP threads sleep (`idle_threads_sleep`).
 """
 
 import os
@@ -41,7 +40,7 @@ def _background_after_timing(request):
 def idle_threads_sleep() -> None:
     """After the timing tests, every process the suite starts lets an idle OpenMP thread sleep at once instead of
     spinning first (libgomp's default): with a dozen processes on 2 cores, spinning threads take CPU from the ones
-    with work. test_batchnorm + test_model_families: 58.6 CPU-s before, 43.6 after (docs/measurements.md). No
+    with work. test_batchnorm alone: 46.4 and 48.4 CPU-s before, 39.1 and 41.0 after (docs/measurements.md). No
     result depends on it; the timing tests run before it, with the default, as a user's runs do."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -93,41 +93,48 @@ def outcomes(tmp_path_factory):
     site = fake_gpus_env(base / "site", 0, SPAWN_MARKER)  # written once, before the runs start
     del site["FAKE_CUDA_DEVICES"]  # set below for the cases that fake GPUs; the others see this machine's
     folder = {name: base / name.replace(" ", "_") for name in CASES}
+    cases = {}
     for name in CASES:
         folder[name].mkdir()
-
-    def case(name):
         args = [a.replace("CKPTS", str(ckpts)) for a in CASES[name][0]]
-        args = ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args]
-        marker = {"SPAWN_MARKER": f"{folder[name]}.spawned"}
-        out = f"{folder[name]}.out"
-        return {"args": args, "cwd": str(folder[name]), "gpus": VISIBLE_GPUS.get(name), "env": marker, "out": out}
+        cases[name] = {
+            "args": ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", *args],
+            "cwd": str(folder[name]),
+            "gpus": VISIBLE_GPUS.get(name),
+            "env": {"SPAWN_MARKER": f"{folder[name]}.spawned"},
+            "out": f"{folder[name]}.out",
+        }
 
     def launch(name):
-        c = case(name)
+        c = cases[name]
         env = {**site, **c["env"]} | ({} if c["gpus"] is None else {"FAKE_CUDA_DEVICES": str(c["gpus"])})
         result = toy(*c["args"], cwd=folder[name], env=env, timeout=120)
-        return [(result.returncode, result.stdout)]
+        return {name: (result.returncode, result.stdout)}
 
     def in_one_interpreter(names):
-        (base / "cases.json").write_text(json.dumps([case(name) for name in names]))
+        (base / "cases.json").write_text(json.dumps([cases[name] for name in names]))
         cmd = [sys.executable, str(TESTS / "one_interpreter.py"), str(base / "cases.json")]
         interpreter = run(cmd, base, timeout=240, env=site)
-        ran = []
+        ran = {}
         for name in names:  # a case the interpreter did not finish: status None, its output and the interpreter's
-            out = Path(f"{folder[name]}.out")
+            out = Path(cases[name]["out"])
             out = out.read_text() if out.exists() else ""
             ended = re.search(r"\nexit status (-?\d+)\n$", out)
-            ran.append((int(ended[1]), out[: ended.start()]) if ended else (None, out + interpreter.stdout))
+            ran[name] = (int(ended[1]), out[: ended.start()]) if ended else (None, out + interpreter.stdout)
         return ran
 
     together = [name for name in CASES if name not in LAUNCHED]
     jobs = {name: lambda n=name: launch(n) for name in LAUNCHED} | {"": lambda: in_one_interpreter(together)}
-    done = concurrently(lambda job: jobs[job](), jobs)
-    ran = dict(zip(together, done.pop(""), strict=True)) | {name: out[0] for name, out in done.items()}
-    spawned = {name: Path(case(name)["env"]["SPAWN_MARKER"]).exists() for name in CASES}
+    ran = {}
+    for done in concurrently(lambda job: jobs[job](), jobs).values():
+        ran |= done
     return {
-        name: (code, out, spawned[name], sorted(p.name for p in folder[name].iterdir()))
+        name: (
+            code,
+            out,
+            Path(cases[name]["env"]["SPAWN_MARKER"]).exists(),
+            sorted(p.name for p in folder[name].iterdir()),
+        )
         for name, (code, out) in ran.items()
     }
 

@@ -285,8 +285,9 @@ MAIN = "from pathlib import Path\nfrom ddpkit.cli import main\nmain(Path(__file_
 
 
 @early.early("batchnorm_cli_runs")
-def _cli_runs(base: Path) -> dict:
-    """The four CLI runs of the test below, at once; started with the session (early.py): they time nothing."""
+def _cli_runs(base: Path) -> tuple[Path, dict]:
+    """The four CLI runs of the test below, at once: their folder and {run: result}. Started with the session
+    (early.py): they time nothing."""
     (base / "config.yaml").write_text(CONFIG)
     (base / "main.py").write_text(MAIN)
     env = {"PYTHONPATH": str(HERE)}
@@ -301,11 +302,11 @@ def _cli_runs(base: Path) -> dict:
                     base, env)
         for name, args in runs.items()
     }  # fmt: skip
-    return {name: finish(proc, timeout=300) for name, proc in procs.items()} | {"root": base}
+    return base, {name: finish(proc, timeout=300) for name, proc in procs.items()}
 
 
 @pytest.fixture(scope="module")
-def batchnorm_cli_runs() -> dict:
+def batchnorm_cli_runs() -> tuple[Path, dict]:
     return early.result("batchnorm_cli_runs")
 
 
@@ -313,8 +314,7 @@ def test_cli_fit_on_two_processes_equals_one(batchnorm_cli_runs):
     """`fit --trainer.sync_batchnorm true` on 2 CPU processes (the plugin given by name does the same) trains a
     BatchNorm CNN's weights and running stats as 1 process; without the switch, rank 0 warns once, naming it,
     before training starts, and a synced run does not warn."""
-    results = dict(batchnorm_cli_runs)
-    tmp_path = results.pop("root")
+    root, results = batchnorm_cli_runs
     for name, result in results.items():
         assert result.returncode == 0, f"{name}:\n{result.stdout[-4000:]}"
     warned = {
@@ -322,9 +322,7 @@ def test_cli_fit_on_two_processes_equals_one(batchnorm_cli_runs):
     }
     assert len(warned["unsynced"]) == 1 and "--trainer.sync_batchnorm true" in warned["unsynced"][0]
     assert warned["1"] == warned["2"] == warned["plugin"] == []
-    weights = {
-        name: load_weights(next((tmp_path / name / "checkpoints").glob("*.ckpt"))) for name in ("1", "2", "plugin")
-    }
+    weights = {name: load_weights(next((root / name / "checkpoints").glob("*.ckpt"))) for name in ("1", "2", "plugin")}
     one = weights["1"]
     assert {k for k in one if "running_var" in k} == {"net.1.running_var", "net.4.running_var", "net.8.running_var"}
     assert one["net.1.num_batches_tracked"].item() == weights["2"]["net.1.num_batches_tracked"].item() == 16
