@@ -246,7 +246,7 @@ def free_port() -> int:
 # README order: `--explain` reads the second; the examples' tests use temporary folders). Chains 3 and 4 read no
 # earlier run, and a command of theirs that trains does so in a folder of its own outside the project (`aside`),
 # so that none of their checkpoints is the newest one `--ckpt_path last`, `best` or `auto` finds in the first chain
-# (the sweeps' are: the same model, so the first chain's evaluations pass either way). The job alone, with nothing
+# (the sweeps' folder is marked and skipped: test_docs.py checks it). The job alone, with nothing
 # else running: 342 s in 2 chains, 314 s in 3, 260 s in these 4 (docs/measurements.md).
 CHAINS = {
     2: {

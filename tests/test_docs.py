@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from bakes import TEMPLATE, run, torch_pin
+from ddpkit.cli import newest_last_checkpoint
+from ddpkit.scaling import SWEEP_MARKER
 from readme_commands import ASIDE_CHAINS, CHAINS, GENERATED, ROOT, Elsewhere, NeedsGPU, Run, shell_commands
 
 
@@ -109,6 +111,16 @@ def test_cpu_sweep_compares_like_with_like(project, outcomes):
     for n in (1, 2):
         summary = json.loads(next((project / f"scaling/devices_{n}").rglob("doctor.json")).read_text())
         assert summary["cpu_threads_per_rank"] == 1 and len(summary["ranks"]) == n
+
+
+def test_ckpt_path_last_skips_the_sweeps_runs(project, outcomes):
+    """The sweeps (chain 2) write last.ckpt files under scaling/ while the first chain evaluates: its
+    `--ckpt_path last` and `best` load the first chain's training, and so does `last` from the root afterwards."""
+    assert (project / "scaling" / SWEEP_MARKER).is_file() and list((project / "scaling").rglob("last.ckpt"))
+    for command in ["python main.py validate --ckpt_path last", "python main.py predict  --ckpt_path last"]:
+        (loaded,) = re.findall(r"--ckpt_path last is (\S+)", outcomes[command][2])
+        assert "scaling" not in Path(loaded).relative_to(project).parts, loaded
+    assert "scaling" not in newest_last_checkpoint(project).relative_to(project).parts
 
 
 def test_root_readme_main_job_works(tmp_path):

@@ -23,6 +23,7 @@ from ddpkit.cli import (
     plain_datamodule_warning,
     resolve_ckpt_path,
 )
+from ddpkit.scaling import SWEEP_MARKER
 from ddpkit.toy import PlainToyData, ToyClassifier
 
 # Runs at start-up on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank
@@ -219,7 +220,8 @@ def save(path, mtime, **content):
 
 def test_last_is_the_newest_complete_last_checkpoint(tmp_path):
     """`--ckpt_path last` finds the most recent last.ckpt in any run under the root, skipping a torn file, a
-    sharded directory without its index, and hidden directories (virtual environments, .git)."""
+    sharded directory without its index, hidden directories (virtual environments, .git) and a scaling sweep's
+    folder below the root."""
     save(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", 100, step=1)
     newest = save(tmp_path / "runs/b/lightning_logs/version_3/checkpoints/last.ckpt", 200, step=2)
     torn = save(tmp_path / "lightning_logs/version_1/checkpoints/last.ckpt", 300, step=3)
@@ -233,6 +235,12 @@ def test_last_is_the_newest_complete_last_checkpoint(tmp_path):
     assert newest_last_checkpoint(tmp_path) == sharded
     assert newest_last_checkpoint(tmp_path / "runs") == newest  # under the path given
     assert newest_last_checkpoint(tmp_path / "empty") is None
+    # A scaling sweep's runs, written after the training: skipped from a folder above, found from its own.
+    swept = save(tmp_path / "scaling/devices_2/lightning_logs/version_0/checkpoints/last.ckpt", 2e9, step=5)
+    assert newest_last_checkpoint(tmp_path) == swept  # not yet marked
+    (tmp_path / "scaling" / SWEEP_MARKER).write_text("")
+    assert newest_last_checkpoint(tmp_path) == sharded
+    assert newest_last_checkpoint(tmp_path / "scaling") == swept
 
 
 def test_ckpt_path_last_and_best_become_files(tmp_path):

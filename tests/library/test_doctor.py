@@ -13,6 +13,7 @@ from procs import ON_PATH, TESTS, concurrently, toy_ok
 
 from ddpkit.diagnosis import Thresholds
 from ddpkit.record import DoctorRecord, RankRecord
+from ddpkit.scaling import SWEEP_MARKER
 
 # Every test here times runs (the doctor's verdicts rest on timings): they run first, alone (tests/conftest.py).
 pytestmark = pytest.mark.timing
@@ -200,7 +201,8 @@ def sweep(tmp_path_factory):
 
 
 def test_sweep_writes_table_json_and_plot(sweep):
-    """scaling.md/json have a row per device count with speed-up and efficiency; scaling.png is a PNG."""
+    """scaling.md/json have a row per device count with speed-up and efficiency; scaling.png is a PNG; the folder
+    is marked as a sweep's."""
     rows = json.loads((sweep / "scaling.json").read_text())["rows"]
     assert [r["devices"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 2, abs=1e-3)
@@ -209,6 +211,7 @@ def test_sweep_writes_table_json_and_plot(sweep):
     assert [line[:4] for line in table[:5]] == ["| de", "|---", "| 1 ", "| 2 ", ""]  # header, rule, 2 rows
     assert [line[:4] for line in table[-2:]] == ["| 4 ", "| 8 "]  # predictions from the 1- and 2-device runs
     assert (sweep / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (sweep / SWEEP_MARKER).is_file()  # `--ckpt_path last` from the project skips these runs
 
 
 def test_sweep_gives_every_run_the_same_threads_per_process(sweep):

@@ -47,6 +47,7 @@ from .processes import (
 )
 from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
+from .scaling import SWEEP_MARKER
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
 from .trackers import SaveTrackerRuns, continue_trackers
@@ -508,9 +509,13 @@ def newest_hpc_checkpoint(root: Path) -> Path | None:
 
 def newest_last_checkpoint(root: Path) -> Path | None:
     """The most recently written complete `last.ckpt` under `root`: a file that is a whole zip archive (the
-    format torch.save writes; a torn write lacks its end), or a sharded checkpoint's directory with its index."""
+    format torch.save writes; a torn write lacks its end), or a sharded checkpoint's directory with its index.
+    A scaling sweep's folder below `root` is skipped: its runs are newer than the training, and shorter."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
+        if SWEEP_MARKER in filenames and Path(dirpath) != Path(root):
+            dirnames[:] = []
+            continue
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS]
         path = Path(dirpath) / "last.ckpt"
         if "last.ckpt" in filenames and zipfile.is_zipfile(path):

@@ -50,6 +50,10 @@ from pathlib import Path
 from ddpkit.gap import PARTS, explain, format_explain, measured_without_cpu_wait, predict
 from ddpkit.record import DoctorRecord, SchemaError
 
+# Written in a sweep's output folder: `--ckpt_path last`, `best` and `auto` from a folder above it skip its runs
+# (ddpkit.cli.newest_last_checkpoint), which are short measurements, not the training a user means to continue.
+SWEEP_MARKER = ".ddpkit-sweep"
+
 
 def main_command(main: str) -> list[str]:
     """The command that starts the project CLI: `python PATH` for a file, `python -m NAME` for a module name."""
@@ -250,6 +254,9 @@ def sweep(
     main: list[str], devices: list[int], out: Path, fit_args: list[str], max_steps: int, timeout: float
 ) -> list[dict]:
     summaries = []
+    (out / SWEEP_MARKER).write_text(
+        "Runs of python -m ddpkit.scaling: --ckpt_path last, best and auto from a folder above skip them.\n"
+    )
     threads = threads_per_process(devices)
     print(f"{threads} CPU thread(s) per process in every run (OMP_NUM_THREADS)", flush=True)
     for n in devices:
