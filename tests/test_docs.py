@@ -117,9 +117,13 @@ def test_ckpt_path_last_skips_the_sweeps_runs(project, outcomes):
     """The sweeps (chain 2) write last.ckpt files under scaling/ while the first chain evaluates: its
     `--ckpt_path last` and `best` load the first chain's training, and so does `last` from the root afterwards."""
     assert (project / "scaling" / SWEEP_MARKER).is_file() and list((project / "scaling").rglob("last.ckpt"))
-    for command in ["python main.py validate --ckpt_path last", "python main.py predict  --ckpt_path last"]:
-        (loaded,) = re.findall(r"--ckpt_path last is (\S+)", outcomes[command][2])
-        assert "scaling" not in Path(loaded).relative_to(project).parts, loaded
+    for command in [
+        "python main.py validate --ckpt_path last",
+        "python main.py test     --ckpt_path best",
+        "python main.py predict  --ckpt_path last",
+    ]:
+        (loaded,) = re.findall(r"--ckpt_path (?:last|best) is (\S+)", outcomes[command][2])
+        assert "scaling" not in (project / loaded).relative_to(project).parts, loaded  # best: as its fit recorded it
     assert "scaling" not in newest_last_checkpoint(project).relative_to(project).parts
 
 
