@@ -9,6 +9,7 @@ the test when read, so a check that should skip but does not costs nothing and s
 
 import inspect
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,15 @@ def test_micro_batches_with_manual_optimization_are_refused_before_training(proj
         "micro-batch would be an optimizer step on 16 samples instead of the global batch of 32. Leave "
         "micro_batch_size unset."
     ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_without_a_log_file_leaves_nothing_in_the_temporary_folder(project, tmp_path, monkeypatch):
+    """run_main without `log` (configured.py's measurement, a project's own checks) returns the output and removes
+    the temporary file it went to, and its exit status file: a user's suite left two files in /tmp per call."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = helpers.run_main("fit", "--print_config", cwd=project, timeout=120)
+    assert result.returncode == 0 and "class_path: gan.GanData" in result.stdout, result.stdout[-3000:]
     assert list(tmp_path.iterdir()) == []
 
 

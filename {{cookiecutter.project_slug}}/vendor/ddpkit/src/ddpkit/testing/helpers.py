@@ -110,21 +110,27 @@ def run_main(
     The run gets its own session, so the DDP ranks it launches share one process group, and the run has
     finished when the whole group has: a hang ends with all of them killed instead of blocking the suite.
     """
-    if log is None:
+    temporary = log is None  # then the output is only returned: nothing is left in the temporary folder
+    if temporary:
         log = Path(tempfile.mkstemp(prefix="main-", suffix=".log")[1])
     rc = Path(f"{log}.rc")
     rc.unlink(missing_ok=True)
     env = {"PYTHONUNBUFFERED": "1", **(env or {})}
-    pid = FORK_SERVER.fork(list(args), cwd, env, log, entry)
-    deadline = time.monotonic() + timeout
-    while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
-        if time.monotonic() > deadline:
-            if alive(pid):
-                os.killpg(pid, signal.SIGKILL)
-            out = log.read_text()
-            raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
-        time.sleep(0.05)
-    return subprocess.CompletedProcess(["main.py", *args], int(rc.read_text()), log.read_text(), None)
+    try:
+        pid = FORK_SERVER.fork(list(args), cwd, env, log, entry)
+        deadline = time.monotonic() + timeout
+        while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
+            if time.monotonic() > deadline:
+                if alive(pid):
+                    os.killpg(pid, signal.SIGKILL)
+                out = log.read_text()
+                raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(["main.py", *args], int(rc.read_text()), log.read_text(), None)
+    finally:
+        if temporary:
+            log.unlink(missing_ok=True)
+            rc.unlink(missing_ok=True)
 
 
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
