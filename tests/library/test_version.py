@@ -1,9 +1,12 @@
 """What a run writes names the ddpkit version that wrote it: the doctor's report, each checkpoint, the
-logged hyperparameters; resuming another version's checkpoint says so."""
+logged hyperparameters; resuming another version's checkpoint says so. One version names one state of the
+library: every change to it comes with a new version and a changelog entry."""
 
 import importlib.metadata
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +21,7 @@ from ddpkit.cli import check_checkpoint
 from ddpkit.record import DoctorRecord
 
 HERE = Path(__file__).resolve().parent
+LIBRARY = HERE.parents[1] / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"  # this template's copy
 VERSION = ddpkit.__version__
 
 MAIN = """
@@ -63,6 +67,26 @@ def run(tmp_path_factory) -> tuple[Path, str]:
 def test_package_version_is_the_modules():
     """The installed distribution's version is read from `ddpkit.__version__` (one source)."""
     assert importlib.metadata.version("ddpkit") == VERSION
+
+
+def test_every_change_to_the_library_comes_with_a_new_version():
+    """The changelog's first release is the version, and the last commit that changed the library (its source or
+    its requirements) is the last one that set the version. (A shallow clone of one commit passes: that commit
+    is both.)"""
+    first = re.search(r"^## (\S+) \(", (LIBRARY / "CHANGELOG.md").read_text(), flags=re.MULTILINE)
+    assert first is not None and first.group(1) == VERSION
+    if shutil.which("git") is None or not (HERE.parents[1] / ".git").exists():
+        pytest.skip("not a git checkout of the template: no history to compare")
+
+    def last(*args: str) -> str:
+        cmd = ["git", "log", "-1", "--format=%h %s", *args]
+        return subprocess.run(cmd, cwd=LIBRARY, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+    changed, versioned = last("--", "src", "pyproject.toml"), last("-G^__version__ = ", "--", "src/ddpkit/__init__.py")
+    assert changed == versioned, (
+        f"ddpkit changed in '{changed[:100]}' after its version was set in '{versioned[:100]}': give it a new "
+        f"version in src/ddpkit/__init__.py and CHANGELOG.md in the commit that changes it"
+    )
 
 
 def test_doctor_report_names_the_version(run):
