@@ -80,7 +80,10 @@ def test_every_change_to_the_library_comes_with_a_new_version():
 
     def last(*args: str) -> str:
         cmd = ["git", "log", "-1", "--format=%h %s", *args]
-        return subprocess.run(cmd, cwd=LIBRARY, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        done = subprocess.run(cmd, cwd=LIBRARY, capture_output=True, text=True, check=False, timeout=60)
+        if done.returncode != 0:  # e.g. a checkout owned by another user, which git refuses to read
+            pytest.skip(f"git cannot read this checkout's history: {done.stderr.strip()[:300]}")
+        return done.stdout.strip()
 
     changed, versioned = last("--", "src", "pyproject.toml"), last("-G^__version__ = ", "--", "src/ddpkit/__init__.py")
     assert changed == versioned, (
