@@ -19,14 +19,15 @@ if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank launched by a command tha
     sys.exit(3)
 
 import torch  # noqa: E402  (after the guard: a stray rank imports nothing)
+from ddpkit.testing import fake_cuda  # noqa: E402
 from ddpkit.toy import main  # noqa: E402
 
 
 def run(case: dict) -> None:
     real = torch.cuda.is_available, torch.cuda.device_count
     if case["gpus"] is not None:  # what procs.FAKE_CUDA does at a launch's start-up
-        torch.cuda.is_available = lambda: case["gpus"] > 0
-        torch.cuda.device_count = lambda: case["gpus"]
+        os.environ["FAKE_CUDA_DEVICES"] = str(case["gpus"])
+        fake_cuda.install()
     os.environ.update(case["env"])
     os.chdir(case["cwd"])
     with open(case["out"], "w") as out:  # outside cwd: a test checks that the command writes nothing there
@@ -46,6 +47,7 @@ def run(case: dict) -> None:
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
             os.close(saved[0]), os.close(saved[1])
             torch.cuda.is_available, torch.cuda.device_count = real
+            os.environ.pop("FAKE_CUDA_DEVICES", None)
         out.write(f"\nexit status {code}\n")
 
 

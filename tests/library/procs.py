@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ddpkit.testing import fake_cuda
+
 TESTS = Path(__file__).resolve().parent
 TOY = [sys.executable, "-m", "ddpkit.toy"]  # a project's `python main.py`, on the library's own toy model
 # The test-only models (doctor_cases.py, sleepy.py) are selected by class path from this folder.
@@ -68,17 +70,10 @@ def concurrently(job: Callable, names: Iterable[str], workers: int | None = None
         return dict(zip(names, pool.map(job, names), strict=True))
 
 
-# Run at the start-up of every interpreter of a test's run (a `sitecustomize` on its PYTHONPATH): reports
-# FAKE_CUDA_DEVICES GPUs to code that only asks torch.cuda whether and how many, so the CLI's and the
-# preflight's GPU branches are taken on any machine; nothing can run on them. Imports torch only when asked.
-FAKE_CUDA = """
-import os
-if "FAKE_CUDA_DEVICES" in os.environ:
-    import torch
-    _gpus = int(os.environ["FAKE_CUDA_DEVICES"])
-    torch.cuda.is_available = lambda: _gpus > 0
-    torch.cuda.device_count = lambda: _gpus
-"""
+# Run at the start-up of every interpreter of a test's run (a `sitecustomize` on its PYTHONPATH): the guarantee
+# suite's hook, which reports FAKE_CUDA_DEVICES GPUs to code that only asks torch.cuda whether and how many, so
+# the CLI's and the preflight's GPU branches are taken on any machine; nothing can run on them.
+FAKE_CUDA = fake_cuda.SITECUSTOMIZE
 
 
 def fake_gpus_env(site: Path, gpus: int, extra_startup: str = "") -> dict[str, str]:
