@@ -97,18 +97,26 @@ def _as_tensors(row: dict) -> dict[str, torch.Tensor]:
             "id": torch.tensor(row["id"])}  # fmt: skip
 
 
-def _write_litdata(directory: Path, name: str, columns: dict) -> None:
+def optimize_litdata(**kwargs) -> None:
+    """`litdata.optimize(**kwargs)` with one forked worker (it imports nothing), then the start method the process
+    had: optimize sets it for good (force=True), and later tests' loader workers and processes must start as
+    before."""
     import litdata
 
-    out = directory / "litdata"
-    # optimize sets the process's start method for good: put back the caller's (test_sources.py does the same).
     method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        litdata.optimize(num_workers=1, start_method="fork", **kwargs)
+    finally:
+        multiprocessing.set_start_method(method, force=True)
+
+
+def _write_litdata(directory: Path, name: str, columns: dict) -> None:
+    out = directory / "litdata"
     # One chunk per call (chunk_bytes far above a shard), appended: chunk-0-0.bin, chunk-0-1.bin, ... in order.
-    litdata.optimize(
-        fn=_as_is, inputs=_rows(columns), output_dir=str(out), chunk_bytes="64MB", num_workers=1,
-        start_method="fork", mode="append" if (out / "index.json").exists() else None,
+    optimize_litdata(
+        fn=_as_is, inputs=_rows(columns), output_dir=str(out), chunk_bytes="64MB",
+        mode="append" if (out / "index.json").exists() else None,
     )  # fmt: skip
-    multiprocessing.set_start_method(method, force=True)
 
 
 def _as_is(row: dict) -> dict:

@@ -3,7 +3,6 @@ lengths are exact and whose `read(start)` is the tail of `read(0)`: what the str
 
 import importlib
 import json
-import multiprocessing
 import pickle
 import sys
 
@@ -11,7 +10,8 @@ import pytest
 from torch.utils.data import DataLoader, IterableDataset
 
 import ddpkit
-from ddpkit import sources
+from ddpkit import sources, streaming
+from streams import optimize_litdata
 
 N = 301  # samples in every source, numbered 0..N-1 in the order they are written
 
@@ -51,15 +51,9 @@ def _lit_item(i):
 
 @pytest.fixture(scope="module")
 def lit_dir(tmp_path_factory):
-    litdata = pytest.importorskip("litdata", reason="install it: pip install --no-deps litdata==0.2.76 (README)")
+    pytest.importorskip("litdata", reason="install it: pip install --no-deps litdata==0.2.76 (README)")
     out = tmp_path_factory.mktemp("litdata")
-    # optimize sets the process's start method for good (force=True): put back the one the session had, so
-    # that later tests' DataLoader workers and processes start as before. Forked, its worker imports nothing.
-    method = multiprocessing.get_start_method(allow_none=True)
-    litdata.optimize(
-        fn=_lit_item, inputs=list(range(N)), output_dir=str(out), chunk_bytes=6000, num_workers=1, start_method="fork"
-    )
-    multiprocessing.set_start_method(method, force=True)
+    optimize_litdata(fn=_lit_item, inputs=list(range(N)), output_dir=str(out), chunk_bytes=6000)
     return out
 
 
@@ -226,7 +220,6 @@ def _source(name, request):
 def test_through_the_stream_loader(name, request):
     """Through the streaming module's loader, 2 ranks' shares of each step make 1 rank's global batch, every
     sample at most once, and a resume on 2 ranks from 1 rank's checkpoint continues with the same batches."""
-    streaming = pytest.importorskip("ddpkit.streaming", reason="the streaming module is not in this tree yet")
     shards, sample_id = _source(name, request)
 
     def loader(world, rank):
