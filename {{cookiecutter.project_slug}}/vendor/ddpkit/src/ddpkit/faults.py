@@ -41,6 +41,14 @@ trainer:
 """
 
 
+# Seconds each step of a scenario with a signal sleeps. The signal goes out once the marker exists and must land
+# mid-training: 45 steps after the marker leave ~9 s for the sender to see it, where 0.05 left ~2.5 s. In one CI
+# run of the template on a busy 2-core machine, a Ctrl-C run went on to its last step and exited 0 with no sign
+# of the signal (a sender that late, with SIGINT ignored as in jobs a shell starts in the background, reads so).
+# A signalled run stops within GracefulStop's 11 steps, so this costs ~2 s of sleep per scenario, no CPU.
+STEP_SLEEP = ("--model.step_sleep", "0.2")
+
+
 @dataclass
 class Scenario:
     """One way a job can go wrong."""
@@ -60,27 +68,25 @@ SCENARIOS = {
     "exit": Scenario("rank 1 calls os._exit(3) at step 3", ("--model.fault", "exit")),
     "hang": Scenario("rank 1 sleeps forever at step 3 (rank 0 waits in the all-reduce)", ("--model.fault", "hang")),
     "hang0": Scenario("rank 0 sleeps forever at step 3", ("--model.fault", "hang", "--model.fault_rank", "0")),
-    "sigterm": Scenario(
-        "SIGTERM to the launcher mid-training", ("--model.step_sleep", "0.05"), signal.SIGTERM, checkpoint=True
-    ),
+    "sigterm": Scenario("SIGTERM to the launcher mid-training", STEP_SLEEP, signal.SIGTERM, checkpoint=True),
     "sigterm-rank1": Scenario(
         "SIGTERM to rank 1 only (e.g. an OOM killer or scheduler that signals one process)",
-        ("--model.step_sleep", "0.05"),
+        STEP_SLEEP,
         signal.SIGTERM,
         to_rank1=True,
         checkpoint=True,
     ),
     "sigint": Scenario(
         "Ctrl-C (SIGINT to the process group)",
-        ("--model.step_sleep", "0.05"),
+        STEP_SLEEP,
         signal.SIGINT,
         to_group=True,
         checkpoint=True,
     ),
-    "kill9": Scenario("kill -9 of the launcher mid-training", ("--model.step_sleep", "0.05"), signal.SIGKILL),
+    "kill9": Scenario("kill -9 of the launcher mid-training", STEP_SLEEP, signal.SIGKILL),
     "kill9-epoch1": Scenario(
         "kill -9 of the launcher in epoch 1: epoch 0's last.ckpt survives, to resume with --ckpt_path last",
-        ("--model.step_sleep", "0.05", "--model.fault_step", "20"),
+        (*STEP_SLEEP, "--model.fault_step", "20"),
         signal.SIGKILL,
         checkpoint=True,
     ),
