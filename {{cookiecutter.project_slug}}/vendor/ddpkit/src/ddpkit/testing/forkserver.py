@@ -4,9 +4,11 @@ child per run.
 Nearly all of a small run's cost is start-up (about 5 CPU-seconds to import torch and Lightning, 1 to train
 the example 2 epochs), and the suite makes dozens of runs. The server (`python forkserver.py PROJECT`, with
 stdin a pipe) imports the project's main.py as `python main.py` would, then reads one JSON request a line
-({"args", "cwd", "env", "log", "entry"}) and answers with the pid of a forked child that runs `main.main()`
-(or, for entry "configured", configured.py's measurement) with `sys.argv = [main.py, *args]`, in its own
-session, its output in `log` and its exit status in `log`.rc.
+({"args", "cwd", "env", "log", "entry"}) and answers with the pid of a forked waiter, the leader of a new session,
+which forks the run: `main.main()` (or, for entry "configured", configured.py's measurement) with
+`sys.argv = [main.py, *args]`, its output in `log`. The waiter writes the run's exit status to `log`.rc however
+the run ended: a return, an exception, ddpkit's `os._exit` on a failure path, a signal (128 + its number). A run
+that wrote its own status could not do so from `os._exit`, and the suite then waited out its whole timeout.
 Everything a run starts itself is a fresh process as usual: the second rank of Lightning's launcher runs
 `python main.py <same argv>` (sys.argv and `__main__.__spec__ is None` say so, as for a script).
 
@@ -21,12 +23,29 @@ import sys
 import traceback
 
 
-def child(request: dict, main) -> None:
-    """In the forked child: become `python main.py *args` in `cwd` with `env`, run it, exit with its status."""
+def waiter(request: dict, main) -> None:
+    """In the forked waiter: a new session (a timeout kills it, the run and every rank the run starts), the run
+    forked below it, and the run's exit status in `log`.rc once it has ended."""
     code = 1
     try:
-        os.setsid()  # its own process group: a timeout kills it and every rank it starts
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; the launcher waits for its ranks
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; the waiter and the launcher wait
+        pid = os.fork()
+        if pid == 0:
+            child(request, main)
+        status = os.waitpid(pid, 0)[1]
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+    finally:
+        with open(request["log"] + ".rc", "w") as rc:
+            rc.write(str(code))
+        os._exit(0)
+
+
+def child(request: dict, main) -> None:
+    """In the run's process: become `python main.py *args` in `cwd` with `env`, run it, exit with its status."""
+    code = 1
+    try:
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(log, 1)
@@ -52,8 +71,6 @@ def child(request: dict, main) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        with open(request["log"] + ".rc", "w") as rc:
-            rc.write(str(code))
         os._exit(code)
 
 
@@ -65,12 +82,12 @@ def serve(project: str) -> None:
     import ddpkit.testing.parity_probe  # noqa: F401  the callbacks the suite adds to its runs
     import ddpkit.testing.rank_probe  # noqa: F401
 
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; status goes to .rc
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel; status goes to .rc
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            child(request, main)
+            waiter(request, main)
         print(pid, flush=True)
 
 

@@ -6,6 +6,7 @@ with `set_project` before any test runs; outside pytest it is the working direct
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,9 +121,13 @@ def run_main(
         pid = FORK_SERVER.fork(list(args), cwd, env, log, entry)
         deadline = time.monotonic() + timeout
         while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
+            if rc.exists() and deadline > time.monotonic() + RANKS_GRACE:
+                deadline = time.monotonic() + RANKS_GRACE  # it has ended: its ranks get a few seconds, no more
             if time.monotonic() > deadline:
                 if alive(pid):
                     os.killpg(pid, signal.SIGKILL)
+                if rc.exists():  # ended, but a rank it started did not: report the run's own end
+                    break
                 out = log.read_text()
                 raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
             time.sleep(0.05)
@@ -133,10 +138,27 @@ def run_main(
             rc.unlink(missing_ok=True)
 
 
+# Seconds a run's ranks may outlive it before they are killed: ddpkit's ranks exit within 1 s of their launcher.
+RANKS_GRACE = 10.0
+
+# Lines that say why a run failed, newest last: the CLI's `error:` line, a raised exception's last line.
+ERROR_LINE = re.compile(r"^(error: .*|(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*)$")
+
+
+def headline(output: str) -> str:
+    """The line of a run's output that says why it failed: its last `error:` line or exception, else its last
+    line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if ERROR_LINE.match(line)]
+    return (errors or lines or ["(no output)"])[-1]
+
+
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
     """Like `run_main`, but fail with the tail of the output unless it exits 0; return the output."""
     result = run_main(*args, cwd=cwd, timeout=timeout, env=env)
-    assert result.returncode == 0, f"main.py {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    assert result.returncode == 0, (
+        f"main.py {' '.join(args)} exited {result.returncode}: {headline(result.stdout)}\n{result.stdout[-4000:]}"
+    )
     return result.stdout
 
 
