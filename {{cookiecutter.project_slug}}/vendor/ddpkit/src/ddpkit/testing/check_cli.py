@@ -11,16 +11,23 @@ import yaml
 
 from ..parity import read_csv_scalars, read_scalars
 from ..record import DoctorRecord
-from .runs import PROJECT_CONFIG, best_checkpoint
+from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint
 
 
 def defined(configured: dict, *commands: str) -> list[str]:
-    """Those of `commands` the module defines a step for (configured.py); skips when it defines none of them."""
-    have = [c for c in commands if c in configured["stages"]]
-    if not have:
-        steps = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
-        pytest.skip(f"{configured['model']} defines no {' or '.join(steps[c] for c in commands)}")
-    return have
+    """Those of `commands` the module defines a step for and the data module a set for (configured.py; the runs
+    are made for these only: runs.evaluation_runs); skips, saying what is missing, when there is none."""
+    hooks = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
+    missing = {
+        c: f"{configured['model']} defines no {hooks[c]}"
+        if c not in configured["stages"]
+        else f"{configured['data']} has no {STAGE_SETS[c]} set"
+        for c in commands
+        if c not in configured["stages"] or not configured.get(f"{STAGE_SETS[c]}_size", 1)
+    }
+    if len(missing) == len(commands):
+        pytest.skip("; ".join(missing.values()))
+    return [c for c in commands if c not in missing]
 
 
 def test_fit_writes_logs_config_and_checkpoints_under_root(cpu_runs):

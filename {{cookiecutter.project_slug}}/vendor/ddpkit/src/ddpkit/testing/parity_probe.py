@@ -2,7 +2,7 @@
 
 The suite gives it to main.py as `--trainer.callbacks+=ddpkit.testing.parity_probe.Probe`.
 When a stage ends, each rank writes
-`<default_root_dir>/probe/<stage>-rank<r>.json` and, after fit, its final weights
+`<default_root_dir>/probe/<stage>-rank<r>.json` and, after fit and if asked, its final weights
 to `fit-rank<r>.pt`.
 """
 
@@ -77,10 +77,17 @@ class Probe(NoDropout):
     Args:
         save_at_steps: Global steps after which to save a checkpoint to probe/step<k>.ckpt (mid-epoch
             resume points), the way ModelCheckpoint saves one with every_n_train_steps.
+        resumable: Keep the optimizer's state in every checkpoint the run writes. Off, checkpoints hold the
+            weights and the loops' state (what the checks compare and evaluation loads): an optimizer like AdamW
+            keeps two tensors per weight, so an 11M-parameter model's float64 checkpoint is 90 MB instead of 270.
+        rank_weights: Save each rank's final weights to probe/fit-rank<r>.pt.
     """
 
-    def __init__(self, save_at_steps: list[int] | None = None) -> None:
+    def __init__(
+        self, save_at_steps: list[int] | None = None, resumable: bool = False, rank_weights: bool = False
+    ) -> None:
         self.save_at_steps = set(save_at_steps or ())
+        self.resumable, self.rank_weights = resumable, rank_weights
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
         self.eval_samples = 0
 
@@ -97,6 +104,11 @@ class Probe(NoDropout):
         if trainer.global_step in self.save_at_steps:
             self.save_at_steps.remove(trainer.global_step)  # once: micro-batches of one step share its number
             trainer.save_checkpoint(Path(trainer.default_root_dir) / "probe" / f"step{trainer.global_step}.ckpt")
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if not self.resumable:
+            checkpoint.pop("optimizer_states", None)
+            checkpoint.pop("lr_schedulers", None)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.eval_samples = 0
@@ -124,5 +136,5 @@ class Probe(NoDropout):
         out.mkdir(parents=True, exist_ok=True)
         rank, stage = trainer.global_rank, TrainerFn(stage).value  # "fit", "test", ...
         (out / f"{stage}-rank{rank}.json").write_text(json.dumps(self.record))
-        if stage == "fit":
+        if stage == "fit" and self.rank_weights:
             torch.save(pl_module.state_dict(), out / f"fit-rank{rank}.pt")

@@ -16,7 +16,10 @@ pytest.register_assert_rewrite(
 from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .helpers import set_project  # noqa: E402
-from .runs import Run, Waves, fit, main_cmd, parity_args, plan, shared_runs  # noqa: E402
+from .runs import Run, Waves, fit, main_cmd, parity_args, plan, remove_checkpoints, shared_runs  # noqa: E402
+
+# What the runs wrote, for the session's summary: (checkpoint files, their bytes, the model's float64 weights' bytes).
+FOOTPRINT: list[tuple[int, int, int]] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,8 +57,21 @@ def steps(global_batch) -> dict:
 
 @pytest.fixture(scope="session")
 def cpu_runs(tmp_path_factory, steps) -> Waves:
-    """Every CPU run the suite reads, by name, started a wave at a time on first use (runs.py)."""
-    return shared_runs(tmp_path_factory.mktemp("runs"), steps)
+    """Every CPU run the suite reads, by name, started a wave at a time on first use (runs.py). At the end of the
+    session their checkpoints are deleted (the logs stay), and the summary says how much they were."""
+    runs = shared_runs(tmp_path_factory.mktemp("runs"), steps)
+    yield runs
+    weights = runs.done["1dev-fp64"].weights() if "1dev-fp64" in runs.done else {}
+    FOOTPRINT.append((*remove_checkpoints(runs.base), sum(t.nbytes for t in weights.values())))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for count, size, model in FOOTPRINT:
+        times = f" ({size / model:.0f} x the model's {model / 1e6:.1f} MB of float64 weights)" if model else ""
+        terminalreporter.write_line(
+            f"ddpkit: the suite's runs wrote {count} checkpoint files, {size / 1e6:.0f} MB{times}; deleted at the end "
+            "of the session (their logs are kept)"
+        )
 
 
 GPU_PRECISIONS = ["64-true", "32-true", "bf16-mixed"]  # float64 first: the strict check

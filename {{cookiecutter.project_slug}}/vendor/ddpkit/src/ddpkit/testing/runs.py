@@ -22,10 +22,13 @@ Add arguments to every run (another model, a smaller set):
 
 import json
 import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +38,7 @@ import torch
 from ..parity import load_weights
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .fake_cuda import save_as_cuda
-from .helpers import concurrently, finish, main_py, project, run_main, start
+from .helpers import finish, headline, main_py, project, run_main, start
 
 
 @dataclass
@@ -92,6 +95,8 @@ def plan(configured: dict) -> dict:
         "steps_per_batch": configured.get("steps_per_batch", 1),
         "random_step": configured.get("random_step", ""),
         "stages": configured.get("stages", ["validate", "test", "predict"]),
+        # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
+        "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
     }
 
@@ -124,23 +129,25 @@ def schedule_args(steps: dict) -> list[str]:
     return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
-def run_args(steps: dict) -> list[str]:
-    return [
-        "--trainer.max_epochs",
-        "2",
-        "--trainer.log_every_n_steps",
-        "1",  # every step's loss reaches the logger
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
+def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = False) -> list[str]:
+    """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
+    no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
+    their size), unless other runs resume from it at global batch `resumed_at`: then they are complete, and the
+    probe saves one at that step, and an extra checkpoint per epoch is written (only their names are checked). Each
+    rank's final weights only with `rank_weights`."""
+    args = [
+        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
+        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
         "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
-        f"--trainer.callbacks.save_at_steps=[{global_step(steps, steps['two_to_one'])}, "
-        f"{global_step(steps, steps['one_to_two'])}]",
-        # An epoch-end checkpoint of every epoch, besides the configured checkpoint callback.
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        "--trainer.callbacks.save_top_k=-1",
     ]
+    if rank_weights:
+        args.append("--trainer.callbacks.rank_weights=true")
+    if resumed_at is not None:
+        at = global_step(steps, resumed_at)
+        args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
+        args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
+        args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
+    return args
 
 
 def main_cmd(*args: str) -> list[str]:
@@ -151,11 +158,12 @@ def torchrun_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(main_py()), *args]
 
 
-def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str) -> list[str]:
+def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str, **kept) -> list[str]:
+    """`fit` on `devices` in `precision`, with the suite's arguments (run_args: `kept` are its options)."""
     return [
         "fit",
         *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
-        *("--trainer.precision", precision, *run_args(steps), *extra, *parity_args()),
+        *("--trainer.precision", precision, *run_args(steps, **kept), *extra, *parity_args()),
     ]
 
 
@@ -169,21 +177,52 @@ def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[st
     ]
 
 
+# A rank that could not listen on its port: another run took the free port it was given in between (the runs start
+# together). Not the project's failure: the run starts again, in a clean folder, at most PORT_RETRIES times.
+PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+PORT_RETRIES = 2
+
+
 def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Callable[[], Run]:
     """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
-    non-zero exit or after `timeout` seconds (killing all it started). A run of main.py is forked from the
-    fork server (helpers.run_main); other commands (torchrun) start as they are."""
+    non-zero exit (its error line first) or after `timeout` seconds (killing all it started). A run of main.py is
+    forked from the fork server (helpers.run_main); other commands (torchrun) start as they are."""
+    before: set[Path] = set()  # what the folder held before the run (a copied run to continue, a config.yaml)
 
-    def job() -> Run:
-        root.mkdir(exist_ok=True)
+    def once() -> subprocess.CompletedProcess:
+        for path in set(root.iterdir()) - before:  # what an earlier try wrote; the folder's own files stay
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         full = [*cmd, "--trainer.default_root_dir", str(root)]
         if full[1] == str(main_py()):
-            result = run_main(*full[2:], cwd=root, timeout=timeout, log=log)
-        else:  # one thread per process: the runs share the cores
-            result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)
-            log.write_text(result.stdout)
-        assert result.returncode == 0, f"run {log.stem} exited {result.returncode}:\n{result.stdout[-4000:]}"
+            return run_main(*full[2:], cwd=root, timeout=timeout, log=log)
+        result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)  # one thread a process: shared cores
+        log.write_text(result.stdout)
+        return result
+
+    def job() -> Run:
+        nonlocal before
+        root.mkdir(exist_ok=True)
+        before = set(root.iterdir())
+        for _ in range(PORT_RETRIES):
+            result = once()
+            if result.returncode == 0 or not PORT_TAKEN.search(result.stdout):
+                break
+        else:
+            result = once()
+        assert result.returncode == 0, (
+            f"run {log.stem} exited {result.returncode}: {headline(result.stdout)}\n(log: {log})\n"
+            f"{result.stdout[-4000:]}"
+        )
         return Run(root, log)
+
+    return job
+
+
+def failed(error: AssertionError) -> Callable[[], Run]:
+    """A job of a later wave that cannot start: the run it starts from failed with `error`."""
+
+    def job() -> Run:
+        raise AssertionError(f"starts from a run that failed: {error}")
 
     return job
 
@@ -201,28 +240,38 @@ def as_cuda(run: Run, steps: dict) -> Path:
 class Wave:
     names: tuple[str, ...]
     jobs: Callable  # (Waves) -> {name: job}; may read the runs of an earlier wave
-    error: str = ""
+    started: bool = False
 
 
 class Waves:
     """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
-    selection of tests (`pytest -k ...`) starts only the runs it reads. A wave that fails fails every
-    test that asks for it."""
+    selection of tests (`pytest -k ...`) starts only the runs it reads. Every run of a wave starts at once; a run
+    that fails fails the tests that read it, with its own error, and no other (a run of a later wave that starts
+    from it fails with that error too)."""
 
     def __init__(self, base: Path, waves: list[Wave]) -> None:
-        self.base, self.waves, self.done = base, waves, {}
+        self.base, self.waves, self.done, self.failed = base, waves, {}, {}
 
     def __getitem__(self, name: str):
-        if name not in self.done:
-            (wave,) = [w for w in self.waves if name in w.names]
-            if wave.error:  # started once and failed: not again
-                raise AssertionError(wave.error)
+        (wave,) = [w for w in self.waves if name in w.names]
+        if not wave.started:
+            wave.started = True
             try:
-                jobs = wave.jobs(self)
-                self.done |= concurrently(lambda job: jobs[job](), jobs)
+                jobs = wave.jobs(self)  # may read an earlier wave's run, which may have failed
             except AssertionError as error:
-                wave.error = str(error)
-                raise
+                self.failed |= dict.fromkeys(wave.names, str(error))
+            else:
+                with ThreadPoolExecutor(len(jobs)) as pool:
+                    futures = {n: pool.submit(jobs[n]) for n in jobs}
+                for n, future in futures.items():
+                    if future.exception() is None:
+                        self.done[n] = future.result()
+                    elif isinstance(future.exception(), AssertionError):
+                        self.failed[n] = str(future.exception())
+                    else:
+                        raise future.exception()
+        if name in self.failed:
+            raise AssertionError(self.failed[name])
         return self.done[name]
 
 
@@ -237,7 +286,11 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         return command(cmd, root or base / name, base / f"{name}.log")
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
-    first = {n: run(n, main_cmd(*fit(steps, "cpu", int(n[0]), "64-true", csv))) for n in ("1dev-fp64", "2dev-fp64")}
+    # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
+    first = {
+        "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"]))),
+        "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"]))),
+    }
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
     reorder = (
@@ -249,7 +302,7 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     def second(runs: Waves) -> dict:
         jobs = {
             "1dev-fp32": run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true"))),
-            "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true"))),
+            "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true", rank_weights=True))),
             reference_run(steps, "fp32"): run(
                 reference_run(steps, "fp32"), main_cmd(*fit(steps, "cpu", 1, "32-true", *reorder))
             ),
@@ -269,39 +322,43 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         return jobs
 
     def third(runs: Waves) -> dict:
-        one, two = runs["1dev-fp64"], runs["2dev-fp64"]
+        jobs = {
+            "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"])
+        }
+        try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs
+            ckpt = as_cuda(runs["2dev-fp64"], steps)
+            jobs["resume-2to1"] = run(
+                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt)))
+            )
+        except AssertionError as error:
+            jobs["resume-2to1"] = failed(error)
+        from_one = ("resume-1to2", *evaluation_runs(steps), "continue")
+        try:
+            one = runs["1dev-fp64"]
+        except AssertionError as error:
+            return jobs | dict.fromkeys(from_one, failed(error))
         # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
         # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would.
         for copy in ("eval", "continue"):
             shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs")
         (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
-        best = best_checkpoint(one)
-        resume_at = global_step(steps, steps["one_to_two"])
+        best, last = best_checkpoint(one), str(one.checkpoint())
+        resume_at = str(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
         evaluations = {
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
-            "predict-1dev": run(
-                "predict-1dev", main_cmd(*evaluate(steps, "predict", 1, str(one.checkpoint()))), base / "eval"
-            ),
+            "predict-1dev": run("predict-1dev", main_cmd(*evaluate(steps, "predict", 1, last)), base / "eval"),
             "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best)))),
-            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, str(one.checkpoint())))),
+            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last))),
         }
-        return {
-            # From 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs.
-            "resume-2to1": run(
-                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(as_cuda(two, steps))))
-            ),
-            "resume-1to2": run(
-                "resume-1to2",
-                main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", str(one.mid_checkpoint(resume_at)))),
-            ),
+        return jobs | {
+            "resume-1to2": run("resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at))),
             **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
             # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
             "continue": run(
                 "continue",
                 main_cmd(*fit(steps, "cpu", 1, "64-true", "--trainer.max_epochs", "3", "--ckpt_path", "last")),
             ),
-            "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"]),
         }
 
     waves = [
@@ -331,12 +388,33 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     return Waves(base, waves)
 
 
+def remove_checkpoints(base: Path) -> tuple[int, int]:
+    """Delete every checkpoint and weights file under `base` (a sharded checkpoint is a folder), keeping the logs
+    and the probe's records; return how many there were and their bytes. The suite's runs write dozens (a
+    ResNet-18's are 90 MB each in float64), and pytest keeps the temporary folders of three sessions."""
+    heavy = [p for p in base.rglob("*") if p.suffix in (".ckpt", ".pt")]
+    count, size = 0, 0
+    for path in heavy:
+        if not path.exists():  # inside a sharded checkpoint removed before
+            continue
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        count, size = count + 1, size + sum(f.stat().st_size for f in files)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return count, size
+
+
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
 
 
+# The set each evaluation stage reads (configured.py's `<set>_size`).
+STAGE_SETS = {"validate": "val", "test": "test", "predict": "predict"}
+
+
 def evaluation_runs(steps: dict) -> list[str]:
-    """The third wave's runs of validate, test and predict that the module defines a step for."""
-    return [name for name in EVALUATIONS if name.split("-")[0] in steps["stages"]]
+    """The third wave's runs of validate, test and predict for which the module defines a step and the data module
+    a set."""
+    stage = lambda name: name.split("-")[0]  # noqa: E731
+    return [name for name in EVALUATIONS if stage(name) in steps["stages"] and steps["sizes"][stage(name)]]
 
 
 def best_checkpoint(run: Run) -> Path:
@@ -389,5 +467,6 @@ __all__ = [
     "global_step",
     "main_cmd",
     "plan",
+    "remove_checkpoints",
     "shared_runs",
 ]
