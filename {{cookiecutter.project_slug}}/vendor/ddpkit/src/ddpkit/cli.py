@@ -133,8 +133,9 @@ class CLI(SubcommandCLI):
             type=PositiveInt,
             default=10,
             help="Training steps between the ranks' checks for SIGTERM/Ctrl-C (a one-number all-reduce in "
-            "the background). A signal stops every rank, with a checkpoint, within this many steps + 1; lower "
-            "it when steps are long and the scheduler's grace period is short.",
+            "the background) and, with --slurm_requeue, for SLURM's requeue signal. A signal stops every rank, "
+            "with a checkpoint, within this many steps + 1; lower it when steps are long and the scheduler's "
+            "grace period is short.",
         )
         parser.add_argument(
             "--slurm_requeue",
@@ -223,7 +224,8 @@ class CLI(SubcommandCLI):
         own = [v for v in vars(config).values() if isinstance(v, Callback)]
         configured = [*(trainer.get("callbacks") or []), *own]
         stop = GracefulStop(self.setting("stop_check_every_n_steps"))
-        requeue = [SlurmRequeue()] if self.setting("slurm_requeue") else []
+        requeue = [SlurmRequeue(check_every_n_steps=self.setting("stop_check_every_n_steps"))]
+        requeue = requeue if self.setting("slurm_requeue") else []
         writes = self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured)
         writer = [PredictionWriter()] if writes else []  # else predictions stay in memory, per rank
         # The learning rate of each parameter group, at every logged step, to every logger (fit only; it needs one).

@@ -183,11 +183,12 @@ def slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> Slurm
     (tmp / "callbacks.yaml").write_text(OWN_CALLBACKS)
     args = ["--config", str(tmp / "callbacks.yaml"), *args, "--trainer.default_root_dir", str(root)]
     outputs = lambda: [(tasks / f"task{r}.out").read_text() for r in range(2)]  # noqa: E731
-    # Slow steps (no CPU) keep the first job in its second epoch until it is signalled; the requeued one is not
-    # slowed. The ranks look for the signal every 10 steps (requeue.SlurmRequeue).
-    job = start(
-        ["bash", "cluster/slurm.sbatch", *args, "--trainer.callbacks.sleep_per_step", "0.2"], env, tmp / "job1.log"
-    )
+    # Slow steps (no CPU) keep the first job in its second epoch until it is signalled: 3 s for the steps left
+    # after epoch 1's checkpoint; the requeued one is not slowed. The ranks look for the signal after every step
+    # (by default every 10: with 4 steps an epoch, a 2-epoch job ended before its first look).
+    sleep = str(max(0.2, 3.0 / max(1, steps_per_epoch - 1)))
+    slow = ["--stop_check_every_n_steps", "1", "--trainer.callbacks.sleep_per_step", sleep]
+    job = start(["bash", "cluster/slurm.sbatch", *args, *slow], env, tmp / "job1.log")
     try:
         epoch_1 = lambda: any(root.glob("lightning_logs/*/checkpoints/last.ckpt"))  # noqa: E731
         wait_for(lambda: epoch_1() or job.poll() is not None, timeout=300, what="epoch 1")
