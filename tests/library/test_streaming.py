@@ -236,20 +236,30 @@ def test_a_shard_shorter_than_its_length_is_named(tmp_path):
         list(loader)
 
 
-def test_global_batch_module_given_an_iterable_dataset_points_to_streaming():
-    """A GlobalBatchDataModule whose train_dataset() is an IterableDataset fails in setup with one line that
-    names the streaming module, instead of `object of type ... has no len()`."""
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(10)
 
-    class Stream(IterableDataset):
-        def __iter__(self):
-            yield from range(10)
+
+class SizedStream(Stream):
+    """An iterable dataset that knows its length, as many do (a `__len__` for progress bars): still no indexing."""
+
+    def __len__(self) -> int:
+        return 10
+
+
+@pytest.mark.parametrize("stream", [Stream, SizedStream])
+def test_global_batch_module_given_an_iterable_dataset_points_to_streaming(stream):
+    """A GlobalBatchDataModule whose train_dataset() is an IterableDataset, with or without a length, fails in setup
+    with one line that names the streaming module, instead of `object of type ... has no len()` or torch's sampler
+    error on every rank."""
 
     class Data(GlobalBatchDataModule):
         def train_dataset(self):
-            return Stream()
+            return stream()
 
     with pytest.raises(
-        TypeError, match="returned Stream, an iterable dataset: .* ddpkit.streaming.StreamingDataModule"
+        TypeError, match=f"returned {stream.__name__}, an iterable dataset: .* ddpkit.streaming.StreamingDataModule"
     ):
         Data(global_batch_size=2).setup("fit")
 

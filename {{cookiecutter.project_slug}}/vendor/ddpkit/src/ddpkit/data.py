@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 import lightning as L
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
@@ -105,7 +105,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.train_set, self.val_set = self.train_dataset(), self.val_dataset()
-            if not hasattr(self.train_set, "__len__"):  # an IterableDataset: no length, no indexing
+            # An iterable dataset has no indexing, with or without a length (many define one for progress bars).
+            if isinstance(self.train_set, IterableDataset) or not hasattr(self.train_set, "__len__"):
                 raise TypeError(
                     f"{type(self).__name__}.train_dataset() returned {type(self.train_set).__name__}, an iterable "
                     "dataset: GlobalBatchDataModule samples map-style datasets; for a stream or shards, subclass "
