@@ -21,6 +21,7 @@ from ddpkit.testing.check_parity import (
     fp64_bound,
     weights_bound,
 )
+from ddpkit.testing.configured import switch_off
 from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -212,3 +213,20 @@ def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path,
     assert compare_main([a, b, "--rel-tol", "1e-12", "--abs-tol", "1e-15"]) == 0
     out = capsys.readouterr().out
     assert "bias: max_abs 2e-16, max_rel 2 (at rounding level)" in out and "PASS: worst max_rel 0 " in out
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"noise_std": 0.1, "width": 8}, "PARITY_ARGS='--model.noise_std 0'"),
+        ({"dropout": 0.1, "use_noise": True}, "PARITY_ARGS='--model.dropout 0 --model.use_noise false'"),
+        ({"noise": "data", "dropout": 0.0}, "set --model.noise (now 'data') to the value that draws nothing"),
+        ({"width": 8, "drop_path": 0.0}, "none of the model's arguments is a dropout or noise rate that is on"),
+    ],
+)
+def test_random_step_message_names_the_real_switch(given, says):
+    """The random-step failure names each rate-like argument that is on with the value that turns it off (0 for a
+    number, false for a bool), names a string switch with its value, and says when no such argument is on: never
+    a `--model.<its rate> 0` placeholder."""
+    message = switch_off(given)
+    assert says in message and "<its rate>" not in message

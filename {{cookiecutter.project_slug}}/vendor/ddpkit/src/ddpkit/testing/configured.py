@@ -112,15 +112,38 @@ def probe_training_step(model, data, model_config) -> dict:
     if changed:
         given = model_config.get("init_args") if hasattr(model_config, "get") else None
         given = given.as_dict() if hasattr(given, "as_dict") else {}
-        rates = [k for k, v in given.items() if RATE_NAMES.search(k) and isinstance(v, float) and v]
-        switch = " ".join(f"--model.{k} 0" for k in rates) or "--model.<its rate> 0"
         random_step = (
             f"{type(model).__name__}'s training step draws random numbers (one step from the same weights and batch "
             f"under seeds 0 and 1 changes {len(changed)} of {len(first)} tensors differently, e.g. {changed[0]}), "
-            "so 1 and N devices cannot train the same weights: switch the draw off for the checks with "
-            f"PARITY_ARGS='{switch}', or draw it in the data set (README, 'Replace the example', step 2)"
+            f"so 1 and N devices cannot train the same weights: {switch_off(given)}, or draw it in the data set "
+            "(README, 'Replace the example', step 2)"
         )
     return {"steps_per_batch": steps, "random_step": random_step}
+
+
+def switch_off(given: dict) -> str:
+    """How to switch a training step's random draw off for the checks, from the model's init arguments `given`:
+    those named like a rate (RATE_NAMES) that are on, each with the value that turns it off where the type says
+    it (a number: 0, a bool: false), else named with its value."""
+    switches, others = [], []
+    for name, value in given.items():
+        if not RATE_NAMES.search(name) or not value or value is None:
+            continue
+        if isinstance(value, bool):
+            switches.append(f"--model.{name} false")
+        elif isinstance(value, int | float):
+            switches.append(f"--model.{name} 0")
+        else:
+            others.append(f"--model.{name} (now {value!r})")
+    if switches:
+        line = f"switch the draw off for the checks with PARITY_ARGS='{' '.join(switches)}'"
+        return line + (f"; also look at {', '.join(others)}" if others else "")
+    if others:
+        return f"set {', '.join(others)} to the value that draws nothing, for the checks, in PARITY_ARGS"
+    return (
+        "none of the model's arguments is a dropout or noise rate that is on: give the draw a switch and set it "
+        "off for the checks in PARITY_ARGS"
+    )
 
 
 def cli() -> None:
