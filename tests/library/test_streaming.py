@@ -10,19 +10,19 @@ skips, naming it)."""
 
 import json
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from ddpkit import GlobalBatchDataModule
+from ddpkit.parity import load_weights, max_abs
+from ddpkit.streaming import StreamingDataModule, StreamLoader, same_batches_every_epoch, shard_files
 from procs import concurrently, finish, start
 from streams import READERS, SIZES, UnevenShards, write_shards
 from torch.utils.data import IterableDataset
-
-from ddpkit import GlobalBatchDataModule
-from ddpkit.parity import load_weights, max_abs
-from ddpkit.streaming import StreamLoader, shard_files
 
 GLOBAL_BATCH = 32
 STEPS_PER_EPOCH = sum(SIZES) // GLOBAL_BATCH  # 12: 385 samples, 1 left over each epoch
@@ -263,3 +263,50 @@ def test_global_batch_module_given_an_iterable_dataset_points_to_streaming(strea
     ):
         Data(global_batch_size=2).setup("fit")
 
+
+class Numbered:
+    """A shard of `length` samples numbered from `first`."""
+
+    def __init__(self, first: int, length: int) -> None:
+        self.name, self.first, self.length = f"shard{first}", first, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int = 0):
+        return iter(range(self.first + start, self.first + self.length))
+
+
+def epoch_batches(shards: list, streams: int, epoch: int) -> list[set[int]]:
+    loader = StreamLoader(
+        shards, streams=streams, global_batch_size=16, world_size=1, rank=0, micro_batch_size=16, seed=0,
+        collate_fn=list, current_epoch=lambda: epoch,
+    )  # fmt: skip
+    return [set(batch) for batch in loader]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "repeats"),
+    [([8] * 8, True), ([16] * 4, True), ([4] * 16, False), ([5, 11, 8, 8, 8, 8, 8, 8], False)],
+)
+def test_streams_that_read_the_same_parts_every_epoch_are_found_and_warned_about(lengths, repeats):
+    """As many equal shards as streams (one whole shard a stream), or half as many (half a shard a stream), give
+    global batch k the same samples in every epoch (the loader shows it); same_batches_every_epoch says so exactly
+    then, and setup warns with what to change. Two shards a stream, or shards of other lengths, mix other samples
+    into batch k in the next epoch."""
+    shards = [Numbered(sum(lengths[:i]), length) for i, length in enumerate(lengths)]
+    batches = [epoch_batches(shards, 8, epoch) for epoch in (0, 1)]
+    assert (batches[0] == batches[1]) is repeats
+    assert same_batches_every_epoch(lengths, 8, 16, seed=0) is repeats
+
+    class Data(StreamingDataModule):
+        def train_shards(self):
+            return shards
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Data(global_batch_size=16, streams=8).setup("fit")
+    said = [str(w.message) for w in caught if "same samples in every epoch" in str(w.message)]
+    assert len(said) == int(repeats)
+    if repeats:
+        assert "global batch k holds the same samples in every epoch" in said[0] and "fewer --data.streams" in said[0]

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
 from .data import GlobalBatchDataModule
@@ -207,6 +208,29 @@ class _StepReader(IterableDataset):
             shard += 1
 
 
+def shard_order(shards: int, seed: int, epoch: int) -> list[int]:
+    """The positions of the shards in the order of `epoch`."""
+    return torch.randperm(shards, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def same_batches_every_epoch(lengths: list[int], streams: int, global_batch_size: int, seed: int) -> bool:
+    """Whether global batch k holds the same samples in epochs 0 and 1 (the first 4 batches, by shard and offset):
+    so when each stream reads one whole shard, or one part of one, whatever the order (shards of one length, as
+    many as streams or fewer)."""
+    steps, chunk = sum(lengths) // global_batch_size, global_batch_size // streams
+    if not steps:
+        return False
+
+    def batch(order: list[int], k: int) -> set[tuple[int, int]]:
+        starts = list(itertools.accumulate((lengths[i] for i in order), initial=0))
+        positions = (s * steps * chunk + k * chunk + j for s in range(streams) for j in range(chunk))
+        at = ((p, bisect.bisect_right(starts, p) - 1) for p in positions)
+        return {(order[i], p - starts[i]) for p, i in at}
+
+    epochs = [shard_order(len(lengths), seed, epoch) for epoch in (0, 1)]
+    return all(batch(epochs[0], k) == batch(epochs[1], k) for k in range(min(steps, 4)))
+
+
 def _as_is(item: Any) -> Any:
     return item
 
@@ -250,8 +274,7 @@ class StreamLoader:
 
     def epoch_order(self, epoch: int) -> list[Shard]:
         """The shards in the order of `epoch`: the same on every rank (seeded by --seed_everything)."""
-        order = torch.randperm(len(self.shards), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return [self.shards[i] for i in order.tolist()]
+        return [self.shards[i] for i in shard_order(len(self.shards), self.seed, epoch)]
 
     def __iter__(self) -> Iterator[Any]:
         if self.current_epoch is not None:
@@ -339,6 +362,20 @@ class StreamingDataModule(GlobalBatchDataModule):
 
     def predict_dataset(self) -> Dataset | None:
         return _sequence(self.predict_shards())
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            lengths = [len(shard) for shard in self.train_set.shards]
+            seed = self.train_sampler().seed
+            if same_batches_every_epoch(lengths, self.streams, self.global_batch_size, seed):
+                rank_zero_warn(
+                    f"{type(self).__name__}: {len(lengths)} training shards of equal length for {self.streams} "
+                    "streams: each stream reads the same part of a shard in step k whatever the epoch's order, so "
+                    "global batch k holds the same samples in every epoch (only their place in it changes). Give "
+                    f"each stream at least 2 shards: --data.streams {max(1, len(lengths) // 2)} or fewer, or more, "
+                    "smaller shards."
+                )
 
     def train_sampler(self) -> Any:
         # setup() calls it to check the global batch before any step; the streams' own condition is checked here.
