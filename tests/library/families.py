@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
 from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 
 class SmallToyData(ToyData):
@@ -185,3 +185,178 @@ class TinyTransformer(ToyClassifier):
     def forward(self, x: Tensor) -> Tensor:
         tokens = self.embed(x.view(-1, 8, 8)) + self.position  # (B, 8 tokens, dim)
         return self.head(self.norm(self.net(tokens)).mean(dim=1))
+
+
+# --- The models users bring first: a ResNet-18 (BatchNorm or GroupNorm) and a BERT with dict batches ---------------
+
+IMAGE = (3, 16, 16)  # (C, H, W): small enough for 2 CPU processes, large enough for every ResNet stage
+
+
+def image_blobs(n: int, seed: int) -> TensorDataset:
+    """`n` images of IMAGE: a class's fixed pattern plus unit noise; images (n, 3, 16, 16) float32, labels (n,)."""
+    generator = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(CLASSES, *IMAGE, generator=torch.Generator().manual_seed(4321)) * 0.5
+    labels = torch.randint(0, CLASSES, (n,), generator=generator)
+    return TensorDataset(patterns[labels] + torch.randn(n, *IMAGE, generator=generator), labels)
+
+
+class ImageData(SmallToyData):
+    """SmallToyData's sizes as 3 x 16 x 16 images (the ResNets' input)."""
+
+    def train_dataset(self) -> Dataset:
+        return image_blobs(self.train_size, seed=0)
+
+    def val_dataset(self) -> Dataset:
+        return image_blobs(self.val_size, seed=1)
+
+    def test_dataset(self) -> Dataset:
+        return image_blobs(self.val_size, seed=2)
+
+
+def norm_layer(kind: str, channels: int) -> nn.Module:
+    """BatchNorm2d, or GroupNorm with 32 groups (as GroupNorm ResNets use; fewer for narrow layers)."""
+    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(min(32, channels // 2), channels)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's two 3x3 convolutions with a shortcut (a strided 1x1 convolution where the shape changes)."""
+
+    def __init__(self, a: int, b: int, stride: int, norm: str) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(a, b, 3, stride, 1, bias=False), norm_layer(norm, b)
+        self.conv2, self.bn2 = nn.Conv2d(b, b, 3, 1, 1, bias=False), norm_layer(norm, b)
+        self.shortcut = nn.Identity()
+        if stride != 1 or a != b:
+            self.shortcut = nn.Sequential(nn.Conv2d(a, b, 1, stride, bias=False), norm_layer(norm, b))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet18(ToyClassifier):
+    """ResNet-18 (He et al. 2016; torchvision's layout: 7x7 stem, max-pool, 4 stages of 2 basic blocks, average
+    pool, linear head), 11.2M parameters at width 64, on ImageData's images.
+
+    Args:
+        norm: "batch" (BatchNorm2d) or "group" (GroupNorm).
+        width: Channels of the first stage (64 in ResNet-18; the stages have 1, 2, 4 and 8 times as many).
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, norm: str = "batch", width: int = 64, lr: float = 1e-3) -> None:
+        super().__init__(lr=lr)
+        stem = [nn.Conv2d(IMAGE[0], width, 7, 2, 3, bias=False), norm_layer(norm, width), nn.ReLU()]
+        layers, channels = [*stem, nn.MaxPool2d(3, 2, 1)], width  # (B, w, 4, 4)
+        for stage, stride in enumerate((1, 2, 2, 2)):
+            out = width * 2**stage
+            layers += [BasicBlock(channels, out, stride, norm), BasicBlock(out, out, 1, norm)]
+            channels = out
+        self.net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, CLASSES))
+
+
+VOCAB, SEQUENCE = 64, 16  # token ids 0 (padding), 1 ([CLS]), 2.. (words)
+
+
+class Sentences(Dataset):
+    """`n` token sequences as dicts, as a tokenizer gives them: `input_ids` and `attention_mask` (SEQUENCE,) int64,
+    padded after 8-16 tokens, and `labels` (): a class prefers its own 6 of the 62 words."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, CLASSES, (n,), generator=generator)
+        lengths = torch.randint(8, SEQUENCE + 1, (n,), generator=generator)
+        own = 2 + (self.labels[:, None] * 6 + torch.randint(0, 6, (n, SEQUENCE), generator=generator)) % (VOCAB - 2)
+        other = torch.randint(2, VOCAB, (n, SEQUENCE), generator=generator)
+        words = torch.where(torch.rand(n, SEQUENCE, generator=generator) < 0.5, own, other)
+        self.mask = (torch.arange(SEQUENCE) < lengths[:, None]).long()
+        self.ids = torch.where(self.mask.bool(), words, 0)
+        self.ids[:, 0] = 1  # [CLS]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+class SentenceData(SmallToyData):
+    """SmallToyData's sizes as token sequences in dict samples (the BERT's input)."""
+
+    def train_dataset(self) -> Dataset:
+        return Sentences(self.train_size, seed=0)
+
+    def val_dataset(self) -> Dataset:
+        return Sentences(self.val_size, seed=1)
+
+    def test_dataset(self) -> Dataset:
+        return Sentences(self.val_size, seed=2)
+
+
+class BertLayer(nn.Module):
+    """BERT's post-norm encoder layer: self-attention with biased query/key/value projections (the key bias gets no
+    gradient), then a GELU feed-forward; dropout as nn.Dropout modules, as Hugging Face's eager attention has."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.attention_dropout, self.dropout = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.attention_out, self.attention_norm = nn.Linear(dim, dim), nn.LayerNorm(dim, eps=1e-12)
+        self.intermediate, self.output = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.output_norm = nn.LayerNorm(dim, eps=1e-12)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for p in (self.query, self.key, self.value)
+        )
+        scores = q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5  # (B, heads, T, T)
+        scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)  # no padding keys
+        attended = (self.attention_dropout(scores.softmax(-1)) @ v).transpose(1, 2).reshape(b, t, d)
+        x = self.attention_norm(x + self.dropout(self.attention_out(attended)))
+        return self.output_norm(x + self.dropout(self.output(F.gelu(self.intermediate(x)))))
+
+
+class TinyBert(ToyClassifier):
+    """A BERT for sequence classification (word, position and token-type embeddings, post-norm layers, a tanh
+    pooler over [CLS], a linear head), reading dict batches (`input_ids`, `attention_mask`, `labels`).
+
+    Args:
+        dim: Hidden size.
+        heads: Attention heads.
+        layers: Encoder layers.
+        dropout: Hidden and attention dropout rate (nn.Dropout modules).
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, dim: int = 32, heads: int = 2, layers: int = 2, dropout: float = 0.1, lr: float = 1e-3) -> None:
+        super().__init__(lr=lr)
+        self.words, self.positions = nn.Embedding(VOCAB, dim), nn.Embedding(SEQUENCE, dim)
+        self.token_types = nn.Embedding(2, dim)
+        self.embedding_norm, self.embedding_dropout = nn.LayerNorm(dim, eps=1e-12), nn.Dropout(dropout)
+        self.net = nn.ModuleList(BertLayer(dim, heads, dropout) for _ in range(layers))
+        self.pooler, self.head = nn.Linear(dim, dim), nn.Linear(dim, CLASSES)
+        for module in self.modules():  # BERT's initialization: N(0, 0.02), zero biases
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.words(ids) + self.positions(positions) + self.token_types(torch.zeros_like(ids))
+        x = self.embedding_dropout(self.embedding_norm(x))  # (B, T, dim)
+        for layer in self.net:
+            x = layer(x, mask)
+        return self.head(torch.tanh(self.pooler(x[:, 0])))  # (B, classes), from [CLS]
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return super().training_step((batch, batch["labels"]), batch_idx)
+
+    def _evaluate(self, batch: dict[str, Tensor], stage: str) -> None:
+        super()._evaluate((batch, batch["labels"]), stage)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self(batch).argmax(dim=-1)
