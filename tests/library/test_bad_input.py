@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
-from streams import PlainStream
-
+from ddpkit.checks import carried_init_args, given_keys
 from ddpkit.cli import (
     BadInput,
     check_checkpoint,
@@ -25,6 +23,8 @@ from ddpkit.cli import (
 )
 from ddpkit.scaling import SWEEP_MARKER
 from ddpkit.toy import PlainToyData, ToyClassifier
+from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
+from streams import PlainStream
 
 # Runs at start-up on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank
 # was spawned. Then procs.FAKE_CUDA fakes the GPUs a case asks for (FAKE_CUDA_DEVICES).
@@ -321,3 +321,40 @@ def test_a_shape_that_contradicts_torchrun_is_refused(monkeypatch):
     expected = "torchrun started 2 processes .* set --trainer.devices 2 and --trainer.num_nodes 1"
     with pytest.raises(BadInput, match=expected):
         match_torchrun({"devices": "1", "num_nodes": 1})
+
+
+# Switches the toy's data class (ToyData in ddpkit/toy.yaml: global_batch_size 64, train_size 1079) to families.py's
+# SmallToyData (defaults 32 and 128) three ways, building model, data and trainer only; prints what the data got.
+CLASS_SWITCH = """
+import sys
+from ddpkit.toy import main
+cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false"]
+for args in (["--config", sys.argv[1]], ["--data", "families.SmallToyData"], ["--config", sys.argv[1], *sys.argv[2:]]):
+    data = main([*args, *cpu], run=False).datamodule
+    print("DATA", type(data).__name__, data.global_batch_size, data.train_size, file=sys.stderr, flush=True)
+"""
+
+
+def test_a_class_switch_that_keeps_the_default_configs_values_is_warned(tmp_path):
+    """`--config my.yaml` (or `--data Other`) that changes the data class keeps config.yaml's values for arguments of
+    the same name (jsonargparse's merge): one warning line names each with the new class's own default, and leaves
+    out those given on the command line."""
+    (tmp_path / "my.yaml").write_text("data:\n  class_path: families.SmallToyData\n")
+    given = ["--data.train_size", "256", "--data.init_args.global_batch_size=16"]
+    result = run([sys.executable, "-c", CLASS_SWITCH, str(tmp_path / "my.yaml"), *given], TESTS, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("warning: --data", "DATA"))]
+    kept = (
+        "global_batch_size=64 (its default: 32), train_size=1079 (its default: 128) from ddpkit.toy.ToyData in toy.yaml"
+    )
+    assert lines == [
+        f"warning: --data families.SmallToyData keeps {kept}: arguments of the same name carry over when the class "
+        "changes. Give them for SmallToyData in your config, or point toy.yaml itself at it.",
+        "DATA SmallToyData 64 1079",
+    ] * 2 + ["DATA SmallToyData 16 256"]
+
+
+def test_given_keys_are_the_command_lines_and_the_config_files():
+    """A section's keys named on the command line (`--data.x`, `--data.init_args.x=...`) and in `--config` files."""
+    assert given_keys(["fit", "--data.a", "1", "--data.init_args.b=2", "--model.c", "3"], "data") == {"a", "b"}
+    assert carried_init_args("data", {"class_path": "m.A"}, {"class_path": "m.A"}, set(), "config.yaml") is None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from jsonargparse.typing import PositiveInt
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -31,6 +32,7 @@ from torch.utils.data import IterableDataset
 from . import __version__
 from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
+from .checks import SECTIONS, carried_init_args, given_keys
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
 from .hang import HangDump, collect, is_collective_timeout
@@ -102,9 +104,10 @@ class RunConfigSaver(SaveConfigCallback):
 class CLI(SubcommandCLI):
     """`LightningCLI` plus checks before anything starts, a collective timeout, graceful stop, atomic checkpoints."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, default_config: str | Path | None = None, **kwargs: Any) -> None:
         if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank started by a launcher: die with it
             watch_parent()
+        self.default_config = default_config
         kwargs.setdefault("parser_class", ArgumentParser)
         kwargs.setdefault("save_config_callback", RunConfigSaver)
         super().__init__(*args, **kwargs)
@@ -152,9 +155,11 @@ class CLI(SubcommandCLI):
         super().parse_arguments(parser, args)
         self.resumed_run: Path | None = None
         subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        if self.default_config and rank_label() == "0":
+            warn_carried_init_args(config, list(sys.argv[1:] if args is None else args), Path(self.default_config))
         if subcommand is None:
             return
-        config = self.config[subcommand]
         try:
             match_torchrun(config.get("trainer") or {})
             self.resumed_run = resolve_ckpt_path(config, subcommand)
@@ -326,6 +331,23 @@ class IterableDataCheck(Callback):
         warning = iterable_data_warning(trainer.train_dataloader, trainer.world_size)
         if warning and trainer.is_global_zero:
             sys.stderr.write(warning + "\n")
+
+
+def warn_carried_init_args(config: Any, argv: list[str], default_config: Path) -> None:
+    """One warning line per section whose class a `--config` or `--model`/`--data` changed while arguments of the
+    same name kept the default config's values (checks.carried_init_args)."""
+    try:
+        defaults = yaml.safe_load(default_config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return
+    for section in SECTIONS:
+        final, default = config.get(section), defaults.get(section)
+        if not isinstance(default, dict) or not hasattr(final, "get"):
+            continue
+        final = final.as_dict() if hasattr(final, "as_dict") else dict(final)
+        line = carried_init_args(section, final, default, given_keys(argv, section), default_config.name)
+        if line:
+            sys.stderr.write(line + "\n")
 
 
 def check_config(config: Any) -> None:
@@ -645,6 +667,7 @@ def main(default_config: str | Path, args: list[str] | None = None, run: bool = 
     return CLI(
         LightningModule,
         LightningDataModule,
+        default_config=default_config,
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={cmd: parser_kwargs for cmd in ("fit", "validate", "test", "predict")} if run else parser_kwargs,

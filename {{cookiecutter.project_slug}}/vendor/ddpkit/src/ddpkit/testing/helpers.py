@@ -141,16 +141,17 @@ def run_main(
 # Seconds a run's ranks may outlive it before they are killed: ddpkit's ranks exit within 1 s of their launcher.
 RANKS_GRACE = 10.0
 
-# Lines that say why a run failed, newest last: the CLI's `error:` line, a raised exception's last line.
-ERROR_LINE = re.compile(r"^(error: .*|(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*)$")
+# The last line of a raised exception's traceback.
+ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*$")
 
 
 def headline(output: str) -> str:
-    """The line of a run's output that says why it failed: its last `error:` line or exception, else its last
-    line."""
+    """The line of a run's output that says why it failed: its first `error:` line (a rank's own comes before the
+    launcher's "rank 1 exited"), else its last exception line, else its last line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if ERROR_LINE.match(line)]
-    return (errors or lines or ["(no output)"])[-1]
+    errors = [line for line in lines if line.startswith("error: ")]
+    exceptions = [line for line in lines if ERROR_LINE.match(line)]
+    return errors[0] if errors else (exceptions or lines or ["(no output)"])[-1]
 
 
 def run_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
