@@ -38,13 +38,36 @@ def configured() -> dict:
     return describe(*parity_args())
 
 
+# The one place a project says that its data module is plain on purpose: [tool.pytest.ini_options] in pyproject.toml.
+PLAIN_DATA_OK = "ddpkit_plain_data_ok"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        PLAIN_DATA_OK,
+        type="bool",
+        default=False,
+        help="ddpkit: the configured data module is a plain LightningDataModule on purpose; skip the guarantee "
+        "tests it cannot pass instead of failing them",
+    )
+
+
 @pytest.fixture(scope="session")
-def global_batch(configured) -> dict:
-    """`configured`, for tests of guarantees that only a GlobalBatchDataModule gives; others skip."""
+def global_batch(configured, pytestconfig) -> dict:
+    """`configured`, for tests of guarantees that only a GlobalBatchDataModule gives. Another data module fails
+    them with the reason (a green run that checked nothing would read as a pass), unless the project's pytest
+    configuration says `ddpkit_plain_data_ok = true`: then they skip."""
     if not configured["global_batch_data"]:
-        pytest.skip(
+        reason = (
             f"{configured['data']} is not a GlobalBatchDataModule: 1-vs-N parity, exact resume and exactly-once "
             "evaluation are not guaranteed for it (README, 'Your own model and data')"
+        )
+        if pytestconfig.getini(PLAIN_DATA_OK):
+            pytest.skip(f"{reason}; {PLAIN_DATA_OK} = true in pyproject.toml")
+        pytest.fail(
+            f"{reason}. Subclass GlobalBatchDataModule, or set {PLAIN_DATA_OK} = true under "
+            "[tool.pytest.ini_options] in pyproject.toml to skip these tests",
+            pytrace=False,
         )
     return configured
 

@@ -338,9 +338,14 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         except AssertionError as error:
             return jobs | dict.fromkeys(from_one, failed(error))
         # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
-        # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would.
+        # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would. The copies'
+        # files are hard links (no space taken), but for the last.ckpt that `continue` writes again: a project's
+        # own CheckpointIO may write in place, which would change the 1-device run's.
         for copy in ("eval", "continue"):
-            shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs")
+            shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=os.link)
+        continued = base / "continue" / one.checkpoint().relative_to(one.root)
+        continued.unlink()
+        shutil.copy2(one.checkpoint(), continued)
         (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
         best, last = best_checkpoint(one), str(one.checkpoint())
         resume_at = str(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
@@ -390,17 +395,16 @@ def shared_runs(base: Path, steps: dict) -> Waves:
 
 def remove_checkpoints(base: Path) -> tuple[int, int]:
     """Delete every checkpoint and weights file under `base` (a sharded checkpoint is a folder), keeping the logs
-    and the probe's records; return how many there were and their bytes. The suite's runs write dozens (a
-    ResNet-18's are 90 MB each in float64), and pytest keeps the temporary folders of three sessions."""
+    and the probe's records; return how many files there were and their bytes (a hard-linked file once). The
+    suite's runs write dozens (a ResNet-18's are 90 MB each in float64), and pytest keeps the temporary folders of
+    three sessions."""
     heavy = [p for p in base.rglob("*") if p.suffix in (".ckpt", ".pt")]
-    count, size = 0, 0
+    inside = (f for p in heavy for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    files = {f.stat().st_ino: f.stat().st_size for f in inside}
     for path in heavy:
-        if not path.exists():  # inside a sharded checkpoint removed before
-            continue
-        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-        count, size = count + 1, size + sum(f.stat().st_size for f in files)
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return count, size
+        if path.exists():  # not inside a sharded checkpoint removed before
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return len(files), sum(files.values())
 
 
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
