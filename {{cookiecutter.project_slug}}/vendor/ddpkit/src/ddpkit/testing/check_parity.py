@@ -100,10 +100,13 @@ def fp64_bound(cpu_runs: Waves, steps: dict) -> Bound:
 # MLP at 128x2 and 512x3: weights differ by 0.09-0.17 (128x2) and 0.51-0.57 (512x3) max_rel, as much as bf16
 # itself moves them from float32 (0.23-0.50, 0.60-0.70; each rank's partial gradient sum rounds to bf16 on its
 # own, and AdamW enlarges that). The logged values (loss curve, val loss, val acc) differed by up to 3.3e-3 at
-# 128x2 (one val sample of 359) but 3.1e-2 at 512x3: bf16's own effect (1 process, bf16 vs float32) grows with
-# the model, and the 1-vs-2 difference with it. So the criterion is relative: 1 vs 2 devices in bf16 differ in
-# every logged value at every step by at most BF16_FACTOR times bf16 vs float32 on 1 device; the measured
-# ratio was 0.2-1.04 (10 runs), so 3 leaves ~3x margin.
+# 128x2 (one val sample of 359) but 3.1e-2 at 512x3: bf16's own effect grows with the model, and the 1-vs-2
+# difference with it. So the criterion is relative: 1 vs 2 devices in bf16 differ in every logged value at every
+# step by at most BF16_FACTOR times bf16's own effect on 1 device, the larger of two draws of it: bf16 vs float32,
+# and bf16 with its sums in another order (the rounding reference's reordering) vs bf16. One draw can be small by
+# chance: on BatchNorm CNNs with SGD (5 seeds each, 2026-12-03) 1 vs 2 reached 2.58 x bf16 vs float32 alone and
+# 83 x the reordered draw alone, but at most 1.67 x the larger (18 model-seed pairs; 0.05-1.0 on the MLPs).
+# 3 leaves 1.8x margin (docs/measurements.md, "bf16 and BatchNorm").
 BF16_FACTOR = 3.0
 # torchmetrics keeps its sums in float32 even in a float64 run; adding 359 losses in two parts and
 # adding them at once may round apart (measured: equal in float64 runs, 8e-8 in float32 runs).
@@ -164,19 +167,24 @@ def test_both_ranks_end_bit_identical(cpu_runs):
     assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
 
 
-def assert_bf16_close(one: Run, two: Run, one_float32: Run) -> None:
-    """1 vs 2 devices in bf16-mixed: every logged value within BF16_FACTOR x what bf16 changes on 1 device."""
-    rounding = scalar_diffs(read_scalars(one_float32.version), read_scalars(one.version))
-    assert_scalars_close(one, two, BF16_FACTOR * max(rounding[0].max_rel, FLOAT32_STORAGE))
+def assert_bf16_close(one: Run, two: Run, *references: Run) -> None:
+    """1 vs 2 devices in bf16-mixed: every logged value within BF16_FACTOR x what bf16 changes on 1 device, the
+    largest of its differences from `references` (float32, bf16 reordered)."""
+    draws = [scalar_diffs(read_scalars(r.version), read_scalars(one.version))[0] for r in references]
+    largest = max(draws, key=lambda d: d.max_rel)
+    why = f"{BF16_FACTOR:g} x bf16's own effect on 1 device, the largest of " + ", ".join(
+        f"{r.root.name} {d.max_rel:.3g} ({d.name})" for r, d in zip(references, draws, strict=True)
+    )
+    assert_scalars_close(one, two, Bound(BF16_FACTOR * max(largest.max_rel, FLOAT32_STORAGE), why=why))
 
 
 def test_bf16_logged_values_differ_less_than_bf16_from_float32(cpu_runs, steps):
     """bf16-mixed: every logged tag at every step (loss curve, validation) of 1 and 2 devices differs by at most
-    BF16_FACTOR times the difference between bf16 and float32 on 1 device."""
+    BF16_FACTOR times what bf16 changes on 1 device: the larger of bf16 vs float32 and bf16 reordered vs bf16."""
     comparable(steps)
     one, two = cpu_runs["1dev-bf16"], cpu_runs["2dev-bf16"]
     assert one.global_step() == two.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
-    assert_bf16_close(one, two, cpu_runs["1dev-fp32"])
+    assert_bf16_close(one, two, cpu_runs["1dev-fp32"], cpu_runs[reference_run(steps, "bf16")])
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])

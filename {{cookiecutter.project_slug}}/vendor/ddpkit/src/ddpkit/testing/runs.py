@@ -5,7 +5,7 @@ three waves; every run of a wave starts at once (each run is mostly start-up, wh
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
    ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
    reversed): summation order alone, the rounding the float64 bounds start from.
-2. 1 and 2 devices in float32 (and float32's own rounding reference) and in bf16-mixed, `torchrun`, gradient accumulation on 2 devices x 2
+2. 1 and 2 devices in float32 and in bf16-mixed (and each precision's own rounding reference), `torchrun`, gradient accumulation on 2 devices x 2
    micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
    module shards, and, when the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
@@ -218,6 +218,12 @@ def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Call
     return job
 
 
+def link_checkpoints(source: str, destination: str) -> None:
+    """copytree's copy function: a hard link for a checkpoint (written anew, never in place, by a later run), a copy
+    for any other file."""
+    os.link(source, destination) if source.endswith(".ckpt") else shutil.copy2(source, destination)
+
+
 def failed(error: AssertionError) -> Callable[[], Run]:
     """A job of a later wave that cannot start: the run it starts from failed with `error`."""
 
@@ -308,6 +314,9 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             ),
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "1dev-bf16": run("1dev-bf16", main_cmd(*fit(steps, "cpu", 1, "bf16-mixed"))),
+            reference_run(steps, "bf16"): run(
+                reference_run(steps, "bf16"), main_cmd(*fit(steps, "cpu", 1, "bf16-mixed", *reorder))
+            ),
             "2dev-bf16": run("2dev-bf16", main_cmd(*fit(steps, "cpu", 2, "bf16-mixed"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
@@ -339,10 +348,10 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             return jobs | dict.fromkeys(from_one, failed(error))
         # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
         # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would. The copies'
-        # files are hard links (no space taken), but for the last.ckpt that `continue` writes again: a project's
-        # own CheckpointIO may write in place, which would change the 1-device run's.
+        # checkpoints are hard links, no space taken, except the last.ckpt that `continue` writes again; the logs,
+        # which Lightning rewrites in place (hparams.yaml), are copies.
         for copy in ("eval", "continue"):
-            shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=os.link)
+            shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=link_checkpoints)
         continued = base / "continue" / one.checkpoint().relative_to(one.root)
         continued.unlink()
         shutil.copy2(one.checkpoint(), continued)
@@ -376,6 +385,8 @@ def shared_runs(base: Path, steps: dict) -> Waves:
                 "1dev-reversed-fp32",
                 "torchrun-fp64",
                 "1dev-bf16",
+                "1dev-acc4-bf16",
+                "1dev-reversed-bf16",
                 "2dev-bf16",
                 "torchrun-nodes",
                 "2dev-acc2-fp64",
