@@ -77,6 +77,7 @@ DOCTOR_LINES = [
     "data wait ",
     "verdict: ",
 ]
+TUNE_TESTS = "tests/library/test_tune.py::"
 SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
 
 GENERATED = {
@@ -178,6 +179,27 @@ GENERATED = {
             "ok: 2 processes joined one gloo group and all-reduced correctly",
         ]
     ),
+    'pip install -e ".[tune]"': Run(),
+    # One trial of the study, on 2 CPU processes, 20 steps; then its best values (in a folder outside the project).
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 20 --devices 2": Run(
+        "python -m ddpkit.tune --space configs/tune.yaml --trials 1 --devices 2 --" + FEW,
+        ["[1/1] trial 0: COMPLETE, val/loss ", "written: tune/trials.md, best.yaml"],
+    ),
+    "python main.py fit --config config.yaml --config tune/best.yaml": Run(
+        "python main.py fit --config config.yaml --config tune/best.yaml" + FEW + aside("best"),
+        ["Scaling doctor: 1 x cpu"],
+    ),
+    (
+        "python -m ddpkit.tune --space configs/tune.yaml --trials 40 --devices 1 "
+        "--storage postgresql://tuner:PASSWORD@db-host/tune"
+    ): Elsewhere(TUNE_TESTS + "test_pruned_trial_stops_every_rank_after_the_same_step_and_exits_cleanly"),
+    (
+        "python -m ddpkit.tune --space configs/tune.yaml --trials 40 --devices 1 "
+        "--storage journal:/shared/tune/study.journal"
+    ): Elsewhere(TUNE_TESTS + "test_workers_share_the_study_and_never_run_a_trial_twice"),
+    "sbatch --array=0-3 cluster/tune.sbatch --space configs/tune.yaml --trials 40": Elsewhere(
+        TUNE_TESTS + "test_killed_worker_leaves_no_process_and_its_trial_runs_again"
+    ),
     "python main.py validate --ckpt_path last": Run(expect=["validate: --ckpt_path last is ", "Validate metric"]),
     "python main.py test     --ckpt_path best": Run(expect=["test: --ckpt_path best is ", "Test metric"]),
     "python main.py predict  --ckpt_path last": Run(expect=["predict: --ckpt_path last is ", "predictions to "]),
@@ -243,7 +265,8 @@ def free_port() -> int:
 
 # The chains beside the first (which holds every command not listed here: those that write or read lightning_logs/
 # or runs/ in the project, in README order). Chain 2 neither writes nor reads those (the sweeps write scaling/, in
-# README order: `--explain` reads the second; the examples' tests use temporary folders). Chains 3 and 4 read no
+# README order: `--explain` reads the second; the study writes tune/, marked as scaling/ is, and its best values
+# train in a folder outside the project; the examples' tests use temporary folders). Chains 3 and 4 read no
 # earlier run, and a command of theirs that trains does so in a folder of its own outside the project (`aside`),
 # so that none of their checkpoints is the newest one `--ckpt_path last`, `best` or `auto` finds in the first chain
 # (the sweeps' folder is marked and skipped: test_docs.py checks it). The job alone, with nothing
@@ -259,6 +282,8 @@ CHAINS = {
         "python -m ddpkit.scaling --devices 1 2 4 --max-steps 300",
         "python -m ddpkit.scaling --devices 1 2 -- --trainer.accelerator cpu",
         "python -m ddpkit.scaling --explain scaling/devices_1 scaling/devices_2",
+        "python -m ddpkit.tune --space configs/tune.yaml --trials 20 --devices 2",
+        "python main.py fit --config config.yaml --config tune/best.yaml",
     },
     3: {
         "NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 bash cluster/torchrun.sh",

@@ -18,11 +18,13 @@ COMMON = {
     "cluster/slurm.sbatch",
     "cluster/torchrun.sh",
     "cluster/trainjob.yaml",
+    "cluster/tune.sbatch",
     "config.yaml",
     "configs/debug.yaml",
     "configs/model_parallel.yaml",
     "configs/mlflow.yaml",
     "configs/wandb.yaml",
+    "configs/tune.yaml",
     "docs/scaling-2cpu.png",
     "main.py",
     "pyproject.toml",
@@ -193,9 +195,11 @@ def test_pyproject_declares_dependencies(default_project):
     # Exactly the versions the template's own requirements.txt (its CI) installs.
     tested = dict(line.split("==") for line in (TEMPLATE / "requirements.txt").read_text().splitlines() if "==" in line)
     assert all(pins[name] == version for name, version in tested.items() if name in pins), (pins, tested)
-    # The trackers extra (configs/mlflow.yaml, configs/wandb.yaml) pins what the library's extra of that name pins.
+    # The trackers extra (configs/mlflow.yaml, configs/wandb.yaml) and the tune extra (python -m ddpkit.tune) pin what
+    # the library's extras of those names pin.
     extras = tomllib.loads((LIBRARY / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert meta["optional-dependencies"]["trackers"] == extras["trackers"]
+    assert meta["optional-dependencies"]["tune"] == extras["tune"]
 
 
 BAD_NAMES = [

@@ -53,6 +53,8 @@ from .scaling import SWEEP_MARKER
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
 from .trackers import SaveTrackerRuns, continue_trackers
+from .trial import TrialReport
+from .tune import TRIAL_CHANNEL, TRIAL_METRIC, TRIAL_WORKER
 
 # `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
 LIGHTNING_CKPT_PATHS = {"hpc"}
@@ -107,6 +109,8 @@ class CLI(SubcommandCLI):
     def __init__(self, *args: Any, default_config: str | Path | None = None, **kwargs: Any) -> None:
         if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank started by a launcher: die with it
             watch_parent()
+        elif TRIAL_WORKER in os.environ:  # rank 0 of a tuning trial: die with the worker that started it
+            watch_parent(parent=int(os.environ[TRIAL_WORKER]), who="the tuning worker")
         self.default_config = default_config
         kwargs.setdefault("parser_class", ArgumentParser)
         kwargs.setdefault("save_config_callback", RunConfigSaver)
@@ -242,7 +246,10 @@ class CLI(SubcommandCLI):
         given = defaults.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         trackers = [SaveTrackerRuns()] if self.subcommand == "fit" else []  # their run ids, for a restart
-        added = [stop, *requeue, *writer, *lr, *trackers, RecordVersion(), ResumeLoaderPosition(), HangDump()]
+        # A trial of `python -m ddpkit.tune`: the metric to its worker, the worker's pruning decision to every rank.
+        tuning = self.subcommand == "fit" and TRIAL_CHANNEL in os.environ
+        trial = [TrialReport(os.environ[TRIAL_METRIC], os.environ[TRIAL_CHANNEL])] if tuning else []
+        added = [stop, *requeue, *writer, *lr, *trackers, *trial, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             return super().instantiate_trainer(**kwargs)
@@ -534,7 +541,8 @@ def newest_hpc_checkpoint(root: Path) -> Path | None:
 def newest_last_checkpoint(root: Path) -> Path | None:
     """The most recently written complete `last.ckpt` under `root`: a file that is a whole zip archive (the
     format torch.save writes; a torn write lacks its end), or a sharded checkpoint's directory with its index.
-    A scaling sweep's folder below `root` is skipped: its runs are newer than the training, and shorter."""
+    A sweep's or a study's folder below `root` (marked SWEEP_MARKER by ddpkit.scaling and ddpkit.tune) is skipped: its
+    runs are newer than the training, and shorter."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         if SWEEP_MARKER in filenames and Path(dirpath) != Path(root):

@@ -97,23 +97,25 @@ def watch_children(period: float = 0.5) -> None:
     threading.Thread(target=watch, name="watch-children", daemon=True).start()
 
 
-def watch_parent(period: float = 1.0) -> None:
-    """Exit this rank when the process that launched it dies (e.g. `kill -9` of the launcher).
+def watch_parent(period: float = 1.0, parent: int | None = None, who: str = "the launcher") -> None:
+    """Exit this rank when the process that started it dies (e.g. `kill -9` of the launcher).
 
     Without this, a rank blocked in a collective stays until the process-group
-    timeout, or forever when it is stuck elsewhere.
+    timeout, or forever when it is stuck elsewhere. `parent`: the pid to watch (default: the launcher's); rank 0
+    of a tuning trial watches its worker (`who`) and takes the ranks it started with it.
     """
     # Lightning's launcher names itself in the environment, which also covers a launcher already gone by now.
     # torchrun's ranks watch their agent: a launcher pid they inherited from whatever started torchrun (a
     # `python main.py` run in the same shell session, a test runner) is not theirs.
     named = os.environ.get(LAUNCHER_PID) if "TORCHELASTIC_RUN_ID" not in os.environ else None
-    parent = int(named or os.getppid())
+    parent = parent or int(named or os.getppid())
 
     def watch() -> None:
         while True:
             time.sleep(period)
             if os.getppid() != parent:
-                sys.stderr.write(f"rank {rank_label()}: the launcher (pid {parent}) is gone; exiting\n")
+                sys.stderr.write(f"rank {rank_label()}: {who} (pid {parent}) is gone; exiting\n")
+                stop_children()  # the ranks this process launched, if any
                 exit_now(1)
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()

@@ -55,6 +55,11 @@ from ddpkit.record import DoctorRecord, SchemaError
 SWEEP_MARKER = ".ddpkit-sweep"
 
 
+def mark_sweep(out: Path, tool: str) -> None:
+    """Mark `out` as a folder of `tool`'s short runs (SWEEP_MARKER): `--ckpt_path last/best/auto` skip them."""
+    (out / SWEEP_MARKER).write_text(f"Runs of {tool}: --ckpt_path last, best and auto from a folder above skip them.\n")
+
+
 def main_command(main: str) -> list[str]:
     """The command that starts the project CLI: `python PATH` for a file, `python -m NAME` for a module name."""
     if main.endswith(".py") or Path(main).exists():
@@ -254,9 +259,7 @@ def sweep(
     main: list[str], devices: list[int], out: Path, fit_args: list[str], max_steps: int, timeout: float
 ) -> list[dict]:
     summaries = []
-    (out / SWEEP_MARKER).write_text(
-        "Runs of python -m ddpkit.scaling: --ckpt_path last, best and auto from a folder above skip them.\n"
-    )
+    mark_sweep(out, "python -m ddpkit.scaling")
     threads = threads_per_process(devices)
     print(f"{threads} CPU thread(s) per process in every run (OMP_NUM_THREADS)", flush=True)
     for n in devices:

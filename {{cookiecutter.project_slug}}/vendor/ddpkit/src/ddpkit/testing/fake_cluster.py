@@ -1,5 +1,6 @@
-"""A cluster on one machine: free ports, fake `srun`/`scontrol`, process groups with timeouts, and the two
-cluster jobs the suite runs with the project's own launch scripts (cluster/torchrun.sh, cluster/slurm.sbatch)."""
+"""A cluster on one machine: free ports, fake `srun`/`scontrol`, a SLURM job array's variables, process groups with
+timeouts, and the two cluster jobs the suite runs with the project's own launch scripts (cluster/torchrun.sh,
+cluster/slurm.sbatch)."""
 
 import os
 import signal
@@ -80,6 +81,35 @@ def slurm_env(tmp: Path, nodes: int, tasks_per_node: int, job_id: int) -> dict[s
     )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     return env
+
+
+def slurm_array_env(array_job_id: int, task: int, tasks: int) -> dict[str, str]:
+    """The variables SLURM sets in task `task` of `sbatch --array=0-<tasks - 1>` of 1-node, 1-task jobs (each task is
+    a batch job of its own, with its own job id), as cluster/tune.sbatch asks for."""
+    return base_env(
+        SLURM_JOB_ID=str(array_job_id + task),
+        SLURM_ARRAY_JOB_ID=str(array_job_id),
+        SLURM_ARRAY_TASK_ID=str(task),
+        SLURM_ARRAY_TASK_COUNT=str(tasks),
+        SLURM_ARRAY_TASK_MIN="0",
+        SLURM_ARRAY_TASK_MAX=str(tasks - 1),
+        SLURM_JOB_NAME="tune",
+        SLURM_NNODES="1",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="1",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_TASKS_PER_NODE="1",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_NODELIST="localhost",
+    )
+
+
+def sbatch_options(script: Path) -> dict[str, str]:
+    """The `#SBATCH --name=value` lines of a batch script, as {name: value}."""
+    lines = [line.split(None, 1)[1] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")]
+    return dict(line.removeprefix("--").split("=", 1) for line in lines)
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
