@@ -29,6 +29,35 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("timing") is None)  # stable: timing tests first
 
 
+# Skips other than a GPU test's, which fail the session: here every optional library is installed (requirements.txt)
+# and every check can run, so a skip means something is missing (an adapter's library, a module importorskip'ed
+# away) or a check that no longer applies, and a green run would hide it.
+UNEXPECTED_SKIPS: list[str] = []
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module skipped at import (pytest.importorskip)
+        UNEXPECTED_SKIPS.append(f"{report.nodeid}: {report.longrepr[2] if isinstance(report.longrepr, tuple) else ''}")
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "gpu" not in report.keywords:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        UNEXPECTED_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if UNEXPECTED_SKIPS and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if UNEXPECTED_SKIPS:
+        terminalreporter.section("skips that fail this session (only a GPU test may skip here)")
+        for line in UNEXPECTED_SKIPS:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _background_after_timing(request):
     if request.node.get_closest_marker("timing") is None:

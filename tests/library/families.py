@@ -1,9 +1,8 @@
-"""Models of the families users bring, written from scratch (no torchvision, no transformers), on the toy's data
-(ddpkit.toy: 64 features, 10 classes), for the guarantee suite's runs in test_model_families.py.
-
-Each is the toy classifier (its logging, metrics and AdamW) with another network: the 64 features are read as a
-1 x 8 x 8 image by the CNNs and as a sequence of 8 tokens of 8 features by the transformer. And the data that does
-not fit in memory: the toy's blobs as shards, streamed (StreamingToyData).
+"""Models of the families users bring, written from scratch (no torchvision, no transformers), for the guarantee
+suite's runs (test_suite_on_families.py, test_model_families.py): a ResNet-18 with BatchNorm or GroupNorm on small
+images (ImageData), a BERT on dict batches of token ids (SentenceData), each the toy classifier (its logging,
+metrics and AdamW) with another network; mixins that inject the classic DDP bugs into them; and the data that does
+not fit in memory, the toy's blobs as shards, streamed (StreamingToyData).
 """
 
 from pathlib import Path
@@ -90,103 +89,6 @@ class StreamingToyData(StreamingDataModule):
         return shard_files(self.shard_dir / "test")
 
 
-def conv_block(a: int, b: int, norm: nn.Module, stride: int = 1) -> list[nn.Module]:
-    return [nn.Conv2d(a, b, 3, stride=stride, padding=1, bias=False), norm, nn.ReLU()]
-
-
-class BatchNormCNN(ToyClassifier):
-    """Two conv blocks and a hidden layer, each normalized by BatchNorm (statistics of the batch on each device).
-
-    Args:
-        width: Channels of the conv blocks.
-        lr: AdamW learning rate.
-    """
-
-    def __init__(self, width: int = 16, lr: float = 3e-3) -> None:
-        super().__init__(lr=lr)
-        self.net = nn.Sequential(
-            *conv_block(1, width, nn.BatchNorm2d(width)),  # (B, w, 8, 8)
-            *conv_block(width, width, nn.BatchNorm2d(width), stride=2),  # (B, w, 4, 4)
-            nn.Flatten(), nn.Linear(16 * width, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, CLASSES),
-        )  # fmt: skip
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x.view(-1, 1, 8, 8))
-
-
-class GroupNormCNN(ToyClassifier):
-    """Conv blocks normalized by GroupNorm (no batch statistics) and a wide hidden layer: 3.4M parameters at the
-    default width, enough for summation order alone to move float64 weights by more than 1e-12.
-
-    Args:
-        width: Channels of the first block (the second has twice as many).
-        hidden: Width of the hidden layer.
-        lr: AdamW learning rate.
-    """
-
-    def __init__(self, width: int = 64, hidden: int = 1024, lr: float = 3e-3) -> None:
-        super().__init__(lr=lr)
-        self.net = nn.Sequential(
-            *conv_block(1, width, nn.GroupNorm(8, width)),  # (B, w, 8, 8)
-            *conv_block(width, 2 * width, nn.GroupNorm(8, 2 * width), stride=2),  # (B, 2w, 4, 4)
-            nn.Flatten(), nn.Linear(32 * width, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Linear(hidden, CLASSES),
-        )  # fmt: skip
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x.view(-1, 1, 8, 8))
-
-
-class Block(nn.Module):
-    """Pre-norm self-attention and MLP. The key projection has a bias, as in BERT, GPT-2 and ViT: adding one
-    vector to every key adds the same number to each of a query's scores, which softmax ignores, so that bias
-    gets no gradient (only rounding)."""
-
-    def __init__(self, dim: int, heads: int, attn_dropout: float) -> None:
-        super().__init__()
-        self.heads, self.attn_dropout = heads, attn_dropout
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, dim)
-        for projection in (self.query, self.key, self.value, self.out):
-            nn.init.zeros_(projection.bias)  # as BERT and GPT-2 start them: the key bias stays 0 plus rounding
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        h = self.norm1(x)
-        heads = (proj(h).view(b, t, self.heads, d // self.heads) for proj in (self.query, self.key, self.value))
-        q, k, v = (x.transpose(1, 2) for x in heads)  # (B, heads, T, head dim)
-        scores = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5  # (B, heads, T, T)
-        # Functional dropout on the attention weights, as Hugging Face's attention does: no nn.Dropout to find.
-        weights = F.dropout(scores.softmax(dim=-1), self.attn_dropout, training=self.training)
-        x = x + self.out((weights @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyTransformer(ToyClassifier):
-    """Reads the 64 features as 8 tokens of 8, embeds them, runs `layers` attention blocks, classifies the mean.
-
-    Args:
-        dim: Embedding width.
-        heads: Attention heads.
-        layers: Attention blocks.
-        attn_dropout: Dropout rate of the attention weights (functional, in forward); 0 turns it off.
-        lr: AdamW learning rate.
-    """
-
-    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2, attn_dropout: float = 0.1, lr: float = 3e-3):
-        super().__init__(lr=lr)
-        self.embed = nn.Linear(8, dim)
-        self.position = nn.Parameter(torch.randn(8, dim) * 0.02)
-        self.net = nn.Sequential(*(Block(dim, heads, attn_dropout) for _ in range(layers)))
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, CLASSES)
-
-    def forward(self, x: Tensor) -> Tensor:
-        tokens = self.embed(x.view(-1, 8, 8)) + self.position  # (B, 8 tokens, dim)
-        return self.head(self.norm(self.net(tokens)).mean(dim=1))
-
-
 # --- The models users bring first: a ResNet-18 (BatchNorm or GroupNorm) and a BERT with dict batches ---------------
 
 IMAGE = (3, 16, 16)  # (C, H, W): small enough for 2 CPU processes, large enough for every ResNet stage
@@ -214,8 +116,10 @@ class ImageData(SmallToyData):
 
 
 def norm_layer(kind: str, channels: int) -> nn.Module:
-    """BatchNorm2d, or GroupNorm with 32 groups (as GroupNorm ResNets use; fewer for narrow layers)."""
-    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(min(32, channels // 2), channels)
+    """BatchNorm2d, or GroupNorm of 16 channels a group, at most 32 groups (32 at ResNet-18's last stage, as GroupNorm
+    ResNets use). Narrower groups on the last stages' 1 x 1 maps normalize a handful of values, which turns float64
+    rounding into 1e-3 (2 channels a group at width 16: 1 vs 2 devices 5e-3 apart, 4 micro-batches 7e-3)."""
+    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(min(32, max(1, channels // 16)), channels)
 
 
 class BasicBlock(nn.Module):
@@ -360,3 +264,43 @@ class TinyBert(ToyClassifier):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self(batch).argmax(dim=-1)
+
+
+# --- Classic DDP bugs, each a mixin put before a family's class: trains fine on 1 device, differently on 2 ----------
+
+
+def split(batch) -> tuple:
+    """(inputs, labels) of a family's batch: a (x, y) pair, or a dict with `labels`."""
+    return (batch, batch["labels"]) if isinstance(batch, dict) else batch
+
+
+class SummedLoss:
+    """The loss summed over the batch: DDP averages gradients over ranks, so 2 devices take half the step."""
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x, y = split(batch)
+        return F.cross_entropy(self(x), y, reduction="sum")
+
+
+class UnsyncedMetric:
+    """The validation loss logged as each batch's mean without syncing: every rank reports its own share's."""
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = split(batch)
+        self.log("val/loss", F.cross_entropy(self(x), y))
+
+
+class SummedLossResNet18(SummedLoss, ResNet18):
+    """ResNet18 with a summed loss."""
+
+
+class SummedLossBert(SummedLoss, TinyBert):
+    """TinyBert with a summed loss."""
+
+
+class UnsyncedMetricResNet18(UnsyncedMetric, ResNet18):
+    """ResNet18 with an unsynced validation loss."""
+
+
+class UnsyncedMetricBert(UnsyncedMetric, TinyBert):
+    """TinyBert with an unsynced validation loss."""

@@ -1,6 +1,6 @@
 """Measure how far summation order alone moves a model's float64 weights, beside 1 vs 2 devices (not a test).
 
-    python tests/library/measure_rounding.py families.GroupNormCNN 0 1 2 [--fp32] [--model.x y ...]
+    python tests/library/measure_rounding.py families.ResNet18 0 1 2 [--fp32] [--model.norm group --data families.ImageData ...]
 
 For each seed: 1 device, 1 device x 4 micro-batches and 1 device with reversed batches (the suite's rounding
 references), 2 devices, all float64 (float32 with --fp32), 2 epochs of test_model_families.py's data; prints per seed 1 vs 2 devices,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import early
 import pytest
-from procs import ON_PATH, TESTS, concurrently, toy_ok
+from netns import two_hosts
+from procs import ON_PATH, TESTS, concurrently, kill, toy_ok
 
 from ddpkit.diagnosis import Thresholds
 from ddpkit.record import DoctorRecord, RankRecord
@@ -139,21 +140,66 @@ def test_slow_shard_reader_is_data_bound(stream_cause):
 COMM_SHARE = 0.5 * Thresholds().comm_share
 
 
-def test_wide_model_with_tiny_batches_is_communication_bound(causes):
+def test_wide_model_all_reduce_is_timed_apart_from_its_wait_for_a_cpu(causes):
     """The all-reduce of 17 MB of gradients, without its threads' wait for a CPU, is a large share of every rank's
-    step (COMM_SHARE), and the verdict names it or the host's contention. (Its transfer alone is not compared
-    with the other cases' 0.1 MB all-reduce: on 2 CPU cores that sub-millisecond estimate came out below theirs
-    in 2 of about 8 CI runs, docs/measurements.md.)"""
+    step (COMM_SHARE), the wait measured as part of its span. (Which verdict follows is not asserted here: on 2
+    cores gloo's threads wait for a CPU longer than the transfer takes, 14 of 23 ms idle, so the verdict is
+    communication-bound or host contention by the host's load; the network case below decides it. Its transfer
+    is not compared with the other cases' 0.1 MB all-reduce either: on 2 CPU cores that sub-millisecond estimate
+    came out below theirs in 2 of about 8 CI runs, docs/measurements.md.)"""
     summary, _ = causes["comm-bound"]
     assert summary.comm_measured and summary.grad_mb == pytest.approx(16.6, abs=0.1)
     for rank in summary.ranks:
         parts = own_parts(rank)
         assert parts["comm"] >= COMM_SHARE * sum(parts.values()), parts
         assert 0 < rank.comm_cpu_wait_ms < rank.comm_ms  # part of the span, measured
-    # Accepted: host-contention instead. On 2 cores gloo's threads wait for a CPU longer than the transfer
-    # takes (14 of 23 ms idle; docs/measurements.md), so the transfer stays under 30% of the stretched step.
-    causes = {f["cause"] for f in summary.findings}
-    assert causes & {"communication-bound", "host-contention"} and summary.data_wait_pct < 10
+    assert summary.data_wait_pct < 10
+
+
+# Two "nodes" (network namespaces) joined by a link of RATE each way, one rank each, launched by torchrun as on a
+# cluster: the 2.4 MB all-reduce of a 590k-parameter model then takes ~100 ms of waiting for the network, no CPU,
+# against ~1 ms of compute for 1 sample; the gloo threads sleep on their sockets, so nothing waits for a CPU.
+RATE = "200mbit"
+NETWORKED = ("--model", "doctor_cases.WideModel", "--model.width", "768", "--data.global_batch_size", "2")
+
+
+@pytest.fixture(scope="module")
+def networked(causes, tmp_path_factory) -> tuple[DoctorRecord, str]:
+    """The wide model's fit on 2 ranks over a rate-limited link (netns.two_hosts), after the other cases."""
+    base = tmp_path_factory.mktemp("networked")
+    port = "29517"
+    with two_hosts(RATE) as hosts:
+        agents = []
+        for rank, host in enumerate(hosts):
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+            torchrun += ["--node_rank", str(rank), "--master_addr", hosts[0].address, "--master_port", port]
+            cmd = ["ip", "netns", "exec", host.netns, *torchrun, "-m", "ddpkit.toy", *FIT, *NETWORKED]
+            cmd += ["--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.default_root_dir", str(base)]
+            env = {**os.environ, **ON_PATH, "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
+            log = (base / f"node{rank}.log").open("w")
+            agents.append(subprocess.Popen(cmd, cwd=base, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))  # fmt: skip
+        try:
+            codes = [agent.wait(timeout=300) for agent in agents]
+        finally:
+            for agent in agents:
+                kill(agent)
+    out = (base / "node0.log").read_text()
+    assert codes == [0, 0], out[-3000:] + (base / "node1.log").read_text()[-3000:]
+    (summary,) = base.rglob("doctor.json")
+    return DoctorRecord.from_dict(json.loads(summary.read_text())), out
+
+
+def test_all_reduce_over_a_slow_link_is_communication_bound(networked):
+    """Two ranks on two hosts whose link is slow: the all-reduce is most of every step, nothing waits for a CPU,
+    and the verdict is communication-bound, with the fix the doctor gives for it."""
+    summary, out = networked
+    assert summary.world_size == 2 and summary.comm_measured
+    for rank in summary.ranks:
+        parts = own_parts(rank)
+        assert parts["comm"] >= 0.5 * sum(parts.values()), parts
+    assert summary.verdict == "communication-bound", (summary.verdict, summary.findings)
+    assert "verdict: communication-bound: " in out
 
 
 def test_extra_tensor_on_one_rank_is_memory_imbalance(causes):

@@ -22,6 +22,7 @@ from ddpkit.testing.check_parity import (
     weights_bound,
 )
 from ddpkit.testing.configured import switch_off
+from ddpkit.testing.runs import remove_checkpoints
 from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -230,3 +231,22 @@ def test_random_step_message_names_the_real_switch(given, says):
     a `--model.<its rate> 0` placeholder."""
     message = switch_off(given)
     assert says in message and "<its rate>" not in message
+
+
+def test_remove_checkpoints_counts_each_file_once_and_keeps_the_logs(tmp_path):
+    """Checkpoints (files and sharded folders) and weights files go, logs and records stay; a hard-linked checkpoint
+    counts once; delete=False only counts."""
+    run = tmp_path / "run" / "lightning_logs" / "version_0"
+    (run / "checkpoints" / "sharded.ckpt").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x" * 100)
+    (run / "checkpoints" / "sharded.ckpt" / "__0_0.distcp").write_bytes(b"x" * 30)
+    (run / "metrics.csv").write_text("step\n")
+    (tmp_path / "run" / "probe").mkdir()
+    (tmp_path / "run" / "probe" / "fit-rank0.pt").write_bytes(b"x" * 7)
+    (tmp_path / "run" / "probe" / "fit-rank0.json").write_text("{}")
+    (tmp_path / "copy").mkdir()
+    os.link(run / "checkpoints" / "last.ckpt", tmp_path / "copy" / "last.ckpt")
+    assert remove_checkpoints(tmp_path, delete=False) == (3, 137)
+    assert remove_checkpoints(tmp_path) == (3, 137)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["run/lightning_logs/version_0/metrics.csv", "run/probe/fit-rank0.json"]

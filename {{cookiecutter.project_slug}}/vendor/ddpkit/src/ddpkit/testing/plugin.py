@@ -4,6 +4,8 @@ A project selects it in `tests/conftest.py` (`pytest_plugins = ["ddpkit.testing.
 `ddpkit.testing` for the two files that make up a project's suite.
 """
 
+import os
+
 import pytest
 
 # The suite's modules hold plain asserts; have pytest show the values in them, as in a test file. Before they
@@ -18,6 +20,8 @@ from .fake_cuda import fake_env  # noqa: E402
 from .helpers import set_project  # noqa: E402
 from .runs import Run, Waves, fit, main_cmd, parity_args, plan, remove_checkpoints, shared_runs  # noqa: E402
 
+# Set (to anything) to keep the runs' checkpoints after the session, to look into a failure.
+KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
 # What the runs wrote, for the session's summary: (checkpoint files, their bytes, the model's float64 weights' bytes).
 FOOTPRINT: list[tuple[int, int, int]] = []
 
@@ -85,15 +89,18 @@ def cpu_runs(tmp_path_factory, steps) -> Waves:
     runs = shared_runs(tmp_path_factory.mktemp("runs"), steps)
     yield runs
     weights = runs.done["1dev-fp64"].weights() if "1dev-fp64" in runs.done else {}
-    FOOTPRINT.append((*remove_checkpoints(runs.base), sum(t.nbytes for t in weights.values())))
+    files = remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))
+    FOOTPRINT.append((*files, sum(t.nbytes for t in weights.values())))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    kept = f"kept ({KEEP_CHECKPOINTS} is set)"
+    deleted = f"deleted at the end of the session, the logs kept ({KEEP_CHECKPOINTS}=1 keeps them)"
     for count, size, model in FOOTPRINT:
         times = f" ({size / model:.0f} x the model's {model / 1e6:.1f} MB of float64 weights)" if model else ""
         terminalreporter.write_line(
-            f"ddpkit: the suite's runs wrote {count} checkpoint files, {size / 1e6:.0f} MB{times}; deleted at the end "
-            "of the session (their logs are kept)"
+            f"ddpkit: the suite's runs wrote {count} checkpoint files, {size / 1e6:.0f} MB{times}; "
+            f"{kept if os.environ.get(KEEP_CHECKPOINTS) else deleted}"
         )
 
 

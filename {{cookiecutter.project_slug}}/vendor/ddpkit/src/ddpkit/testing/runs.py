@@ -286,7 +286,9 @@ PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
 def shared_runs(base: Path, steps: dict) -> Waves:
-    """Every CPU run the suite reads (see the module's docstring), under `base`."""
+    """Every CPU run the suite reads (see the module's docstring), under `base`, with the steps they follow in
+    steps.json (what the suite measured of the configured model and data)."""
+    (base / "steps.json").write_text(json.dumps(steps, indent=1))
 
     def run(name: str, cmd: list[str], root: Path | None = None) -> Callable[[], Run]:
         return command(cmd, root or base / name, base / f"{name}.log")
@@ -404,15 +406,15 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     return Waves(base, waves)
 
 
-def remove_checkpoints(base: Path) -> tuple[int, int]:
+def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
     """Delete every checkpoint and weights file under `base` (a sharded checkpoint is a folder), keeping the logs
     and the probe's records; return how many files there were and their bytes (a hard-linked file once). The
     suite's runs write dozens (a ResNet-18's are 90 MB each in float64), and pytest keeps the temporary folders of
-    three sessions."""
+    three sessions. `delete=False` only counts them."""
     heavy = [p for p in base.rglob("*") if p.suffix in (".ckpt", ".pt")]
     inside = (f for p in heavy for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
     files = {f.stat().st_ino: f.stat().st_size for f in inside}
-    for path in heavy:
+    for path in heavy if delete else []:
         if path.exists():  # not inside a sharded checkpoint removed before
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     return len(files), sum(files.values())
