@@ -7,12 +7,13 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from packaging.version import Version
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
 from ddpkit import lightning_internals as internals
 
-VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the template was measured on 2.6.6 / 2.13.0)"
+VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the library is tested on Lightning 2.5.0 and 2.6.6)"
 
 
 @pytest.mark.parametrize(
@@ -29,11 +30,27 @@ def trainer() -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
+def lightning_at_least(version: str) -> bool:
+    return Version(L.__version__) >= Version(version)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "since"), internals.SINCE, ids=[f"{o.__name__}.{n}" for o, n, _ in internals.SINCE]
+)
+def test_private_name_exists_from_its_release_on(owner, name, since):
+    """A private name that the oldest supported releases lack exists exactly from the release that added it."""
+    assert hasattr(owner, name) == lightning_at_least(since), f"{owner.__name__}.{name}, since {since}: {VERSIONS}"
+
+
 def test_sigterm_broadcast_is_skipped_then_restored():
-    """The loop's per-step broadcast is replaced by a no-op and comes back as the class's method."""
+    """The loop's per-step broadcast (Lightning 2.5.2 on) is replaced by a no-op and comes back as the class's
+    method; before 2.5.2 there is none, and nothing is set."""
     t = trainer()
     loop = t.fit_loop.epoch_loop
     internals.skip_sigterm_broadcast(t)
+    if not lightning_at_least("2.5.2"):
+        assert "_broadcast_sigterm_tensor" not in vars(loop) and not hasattr(loop, "_broadcast_sigterm_tensor")
+        return
     assert loop._broadcast_sigterm_tensor() is None and "_broadcast_sigterm_tensor" in vars(loop), VERSIONS
     internals.restore_sigterm_broadcast(t)
     assert "_broadcast_sigterm_tensor" not in vars(loop)

@@ -124,13 +124,14 @@ def weights_margin(suite: Suite) -> float:
     return max(d.max_rel for d in diffs if d.max_abs > bound.at_rounding) / bound.max_rel
 
 
-# The least factor by which each bug lands outside its check's bound, about a tenth of what was measured (seed 0,
-# 2026-12-03, docs/measurements.md "Model families"): far outside, however each model's rounding loosens the bound.
+# The least factor by which each bug lands outside its check's bound, a tenth of what was measured (seed 0,
+# 2026-12-03, docs/measurements.md "Model families": 6.6e11, 5.4e7, 3.2e11, 1.9e12): far outside, however each
+# model's rounding sets the bound.
 WEIGHTS_MARGIN = {
-    "resnet18-batchnorm-unsynced": 1e3,
-    "resnet18-batchnorm-summed-loss": 1e3,
-    "resnet18-groupnorm-summed-loss": 1e3,
-    "bert-summed-loss": 1e3,
+    "resnet18-batchnorm-unsynced": 6e10,
+    "resnet18-batchnorm-summed-loss": 5e6,
+    "resnet18-groupnorm-summed-loss": 3e10,
+    "bert-summed-loss": 1e11,
 }
 
 

@@ -66,6 +66,7 @@ data:
     global_batch_size: 32
     train_size: 128
 """
+TEMPLATE = TESTS.parents[1] / "{{cookiecutter.project_slug}}"  # files a bake copies as they are
 PYPROJECT = '[tool.pytest.ini_options]\ntestpaths = ["tests"]\npythonpath = ["."]\naddopts = "-ra"\n'
 FAMILIES = {
     "resnet18-batchnorm": ("families.ResNet18", {"norm": "batch", "width": 16}, "families.ImageData", True),
@@ -76,8 +77,8 @@ FAMILIES = {
 # BatchNorm rules out (micro-batches change its statistics; float32 rounding too large to tell a bug from).
 SKIPS = {
     "all": ("CUDA/NCCL parity needs 2 visible GPUs", "the configured model takes no scheduler argument",
-            "families.ResNet18 does not shard", "families.TinyBert does not shard"),
-    "resnet18-batchnorm": ("BatchNorm normalizes each micro-batch", "float32 rounding alone"),
+            "families.ResNet18 does not shard", "families.TinyBert does not shard", "float32 rounding alone"),
+    "resnet18-batchnorm": ("BatchNorm normalizes each micro-batch",),
 }  # fmt: skip
 
 
@@ -91,6 +92,7 @@ def make_project(root: Path, family: str) -> Path:
     (root / "config.yaml").write_text(CONFIG.format(sync=sync_line, model=model, init=json.dumps(init), data=data))
     (root / "pyproject.toml").write_text(PYPROJECT)
     shutil.copy(TESTS / "families.py", root / "families.py")
+    shutil.copytree(TEMPLATE / "cluster", root / "cluster")  # the launch scripts the multi-node checks run
     (root / "tests" / "conftest.py").write_text('pytest_plugins = ["ddpkit.testing.plugin"]\n')
     (root / "tests" / "test_guarantees.py").write_text("from ddpkit.testing.guarantees import *  # noqa: F403\n")
     return root
@@ -136,7 +138,7 @@ def kept_runs(folder: Path) -> tuple[dict[str, Run], dict]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_correct_model_gets_a_green_default_pytest(family_sessions, family):
     """The project's `pytest` passes: no failure, and every skip for a reason the model allows (no GPU, no schedule,
-    no sharding; for BatchNorm no micro-batches and float32 too rounded to judge, said with its figure)."""
+    no sharding, float32 too rounded to judge, said with its figure; for BatchNorm no micro-batches)."""
     code, out, _ = family_sessions[family]
     summary = out.strip().splitlines()[-1]
     assert code == 0 and re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary, out[
@@ -145,15 +147,16 @@ def test_a_correct_model_gets_a_green_default_pytest(family_sessions, family):
     allowed = SKIPS["all"] + SKIPS.get(family, ())
     skips = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("SKIPPED ")]
     assert all(reason.startswith(allowed) for reason in skips), skips
-    if family == "resnet18-batchnorm":  # float32 weights and logged values, both saying why
-        figure = [s for s in skips if s.startswith("float32 rounding alone")]
-        assert len(figure) == 1 and re.search(r"by max_rel [\d.e+-]+, over 0.01", figure[0]), skips
-        assert "SKIPPED [2]" in out.split(figure[0])[0].splitlines()[-1]
+    # float32 checks that skip say by how much rounding alone moved the weights (ResNet-18 with BatchNorm at
+    # width 64: 0.83, at 16 under the 1e-2 that skips).
+    assert all(re.search(r"by max_rel [\d.e+-]+, over 0.01", s) for s in skips if s.startswith("float32")), skips
 
 
-# Checkpoint bytes of a session over the model's float64 weights, measured 2026-12-03 (docs/measurements.md): the
-# bound is that plus a tenth. A tiny model's checkpoints are mostly the loops' and callbacks' state.
-FOOTPRINT = {"resnet18-batchnorm": 60, "resnet18-groupnorm": 60, "bert": 90}
+# Checkpoint bytes of a session over the model's float64 weights: 60 (BatchNorm), 62 (GroupNorm), 67 (BERT, whose
+# checkpoints are mostly the loops' and callbacks' state), 2026-12-03, docs/measurements.md; the bound is the
+# largest plus a tenth. Before the suite kept optimizer state only where a run resumes it, ResNet-18 at width 64
+# left 17 GB: 190 x its 90 MB.
+FOOTPRINT = 74
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -163,18 +166,23 @@ def test_the_runs_leave_only_their_logs_and_weigh_a_bounded_multiple_of_the_mode
     _, out, _ = family_sessions[family]
     (line,) = [line for line in out.splitlines() if line.startswith("ddpkit: the suite's runs wrote")]
     times = float(re.search(r"\((\d+) x the model's", line)[1])
-    assert times <= FOOTPRINT[family], line
+    assert times <= FOOTPRINT, line
 
 
-def test_groupnorm_resnet_passes_on_a_bound_from_its_own_rounding(family_sessions):
-    """Summation order alone moves the GroupNorm ResNet's float64 weights, and 1 vs 2 devices' with them, beyond the
-    fixed 1e-12: its weights checks passed on ROUNDING_FACTOR x that rounding."""
+def test_groupnorm_resnet_weights_bound_is_its_own_rounding(family_sessions):
+    """The GroupNorm ResNet's float64 weights checks passed on ROUNDING_FACTOR x how far 4 micro-batches alone moved
+    its weights (at least the fixed 1e-12), and 1 vs 2 devices are within it. Whether that rounding exceeds the
+    fixed bound depends on the seed and the width (4.5e-14 at width 16, 9e-12 at 64: docs/measurements.md), so it is
+    not asserted here; a reference above the fixed bound raising the bound is test_suite_units.py's."""
     runs, steps = kept_runs(family_sessions["resnet18-groupnorm"][2])
-    fixed = check_parity.BOUNDS["cpu", "64-true"]
+    reference = check_parity.rounding(runs, steps)
     bound = check_parity.fp64_bound(runs, steps)
-    assert "4 micro-batches" in bound.why and bound.max_rel > fixed, bound
+    assert "4 micro-batches" in bound.why and 0 < reference.max_rel <= check_parity.ROUNDING_CEILING, bound
+    fixed = check_parity.BOUNDS["cpu", "64-true"]
+    assert bound.max_rel == max(fixed, check_parity.ROUNDING_FACTOR * reference.max_rel)
+    assert bound.at_rounding == check_parity.ROUNDING_FACTOR * reference.max_abs
     diffs = weight_diffs(runs["1dev-fp64"].weights(), runs["2dev-fp64"].weights())
-    assert fixed < diffs[0].max_rel <= bound.max_rel, (diffs[0], bound)
+    assert 0 < diffs[0].max_rel <= bound.max_rel, (diffs[0], bound)
 
 
 def test_bert_key_biases_pass_at_rounding_level_in_the_suite_and_the_compare_command(family_sessions, capsys):

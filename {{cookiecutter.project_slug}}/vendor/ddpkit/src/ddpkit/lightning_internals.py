@@ -3,7 +3,7 @@
 Each is a debt: a new release may rename or remove it. ddpkit's own tests check every name in `PRIVATE_NAMES`
 (and the behaviour of the helpers below) and fail naming the Lightning and torch versions, so an upgrade says
 at once what moved; they also fail when any other module of ddpkit uses a private name of Lightning or torch.
-Measured against Lightning 2.6.6 and torch 2.13.0.
+Tested against Lightning 2.5.0 and 2.6.6 (the supported range's ends) with torch 2.13.0.
 """
 
 import json
@@ -25,7 +25,6 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every Batc
 # `_timeout` and `_ddp_comm_hook`, a ThroughputMonitor's `_throughputs`) are tested through their helpers.
 PRIVATE_NAMES: list[tuple[Any, str]] = [
     (LightningCLI, "_run_subcommand"),
-    (_TrainingEpochLoop, "_broadcast_sigterm_tensor"),
     (_TrainingEpochLoop, "_on_before_fetch"),
     (_TrainingEpochLoop, "_on_after_fetch"),
     (ModelCheckpoint, "_should_save_on_train_epoch_end"),
@@ -39,6 +38,13 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (BatchNormBase, "_check_input_dim"),
     (torch.distributed.distributed_c10d, "_get_default_store"),
     (torch._C._distributed_c10d, "_dump_fr_trace_json"),
+]
+
+
+# (owner, attribute, the Lightning release that added it): names that the oldest supported releases lack; the helper
+# that uses one does without it there.
+SINCE: list[tuple[Any, str, str]] = [
+    (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "2.5.2"),
 ]
 
 
@@ -104,11 +110,13 @@ def set_process_group_timeout(timeout: timedelta) -> None:
 
 
 def skip_sigterm_broadcast(trainer: Any) -> None:
-    """Switch off Lightning 2.6's per-step broadcast of rank 0's SIGTERM flag (a blocking collective).
+    """Switch off Lightning's per-step broadcast of rank 0's SIGTERM flag (a blocking collective; from 2.5.2 on,
+    before which there is none to switch off).
 
     An instance attribute shadows the loop's method; `restore_sigterm_broadcast` removes it.
     """
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+    if hasattr(type(trainer.fit_loop.epoch_loop), "_broadcast_sigterm_tensor"):
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
 
 def restore_sigterm_broadcast(trainer: Any) -> None:

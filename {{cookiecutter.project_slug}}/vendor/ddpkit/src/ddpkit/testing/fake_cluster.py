@@ -222,6 +222,7 @@ def slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> Slurm
     try:
         epoch_1 = lambda: any(root.glob("lightning_logs/*/checkpoints/last.ckpt"))  # noqa: E731
         wait_for(lambda: epoch_1() or job.poll() is not None, timeout=300, what="epoch 1")
+        assert (tasks / "srun.pid").exists(), f"the job ended before srun started:\n{(tmp / 'job1.log').read_text()}"
         if job.poll() is None:
             os.kill(int((tasks / "srun.pid").read_text()), signal.SIGUSR1)
         codes = finish([job], timeout=120)

@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -270,12 +271,12 @@ class Waves:
                 with ThreadPoolExecutor(len(jobs)) as pool:
                     futures = {n: pool.submit(jobs[n]) for n in jobs}
                 for n, future in futures.items():
-                    if future.exception() is None:
+                    error = future.exception()
+                    if error is None:
                         self.done[n] = future.result()
-                    elif isinstance(future.exception(), AssertionError):
-                        self.failed[n] = str(future.exception())
-                    else:
-                        raise future.exception()
+                    else:  # a failed run, or the suite's own error making it: the tests that read it say which
+                        said = "".join(traceback.format_exception(error)[-3:])
+                        self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
         if name in self.failed:
             raise AssertionError(self.failed[name])
         return self.done[name]
