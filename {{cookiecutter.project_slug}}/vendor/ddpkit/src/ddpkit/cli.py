@@ -3,15 +3,16 @@
 Everything that can be checked from the configuration is checked right after
 parsing: before any model is built, any rank process is started or any file is
 written. A failure prints one `error:` line that says what to change and exits
-with status 2, like an unknown flag does. The checks are in `checks.py`; this
-module wires them into LightningCLI's steps.
+with status 2, like an unknown flag does.
+
+The checks are in `checks.py`, what `--ckpt_path last/best/auto` name in
+`ckpt_paths.py`; this module wires them into LightningCLI's steps.
 """
 
 import os
 import re
 import sys
 import traceback
-import zipfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,11 @@ from .checks import (
     check_manual_accumulation,
     check_optimizer_flags,
     check_state_dict_fits,
-    load_lazily,
     match_torchrun,
     plain_datamodule_warning,
     warn_carried_init_args,
 )
+from .ckpt_paths import resolve_ckpt_path
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
 from .hang import HangDump, collect, is_collective_timeout
@@ -58,15 +59,11 @@ from .processes import (
 )
 from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
-from .scaling import SWEEP_MARKER
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy
 from .trackers import SaveTrackerRuns, continue_trackers
 from .trial import TrialReport
 from .tune import TRIAL_CHANNEL, TRIAL_METRIC, TRIAL_WORKER
-
-# Not searched for last.ckpt: environments, caches, version control.
-SKIP_DIRS = {"site-packages", "__pycache__", "node_modules"}
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -363,96 +360,6 @@ def next_version(directory: Path) -> int:
     return max(numbers, default=-1) + 1
 
 
-def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
-    """Turn `--ckpt_path last` and `auto` (and `best` for validate/test/predict) into a file; return the run
-    directory that `fit` continues, else None.
-
-    Lightning looks for `last` only in the new run's own directory, so after a finished or crashed run it
-    warns and trains from scratch. Here `last` is the newest complete `last.ckpt` under
-    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start. `fit --ckpt_path
-    auto` is the command for a job that a scheduler starts and restarts: the newest complete `last.ckpt` under
-    the root, or a SLURM requeue's `hpc_ckpt_N.ckpt` in the root itself when it is as far (`further`), else a
-    new run.
-    """
-    ckpt_path = config.get("ckpt_path")
-    if ckpt_path not in ("last", "best", "auto"):
-        return None
-    if ckpt_path == "best" and subcommand == "fit":
-        raise BadInput("--ckpt_path best is for validate, test and predict; resume training with --ckpt_path last.")
-    if ckpt_path == "auto" and subcommand != "fit":
-        raise BadInput(f"--ckpt_path auto is for fit (a job that may restart); {subcommand} takes last or best.")
-    root = Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd())
-    last = newest_last_checkpoint(root)
-    if ckpt_path == "auto":
-        last = further(last, newest_hpc_checkpoint(root))
-        if last is None:
-            config["ckpt_path"] = None
-            if rank_label() == "0":
-                sys.stderr.write(f"fit: --ckpt_path auto: no complete checkpoint under {root}; starting a new run\n")
-            return None
-    if last is None:
-        raise BadInput(
-            f"--ckpt_path {ckpt_path}: no complete last.ckpt under {root}. Train first (python main.py fit), "
-            "point --trainer.default_root_dir at the run's root, or pass a checkpoint file."
-        )
-    path = best_checkpoint(last) if ckpt_path == "best" else last
-    config["ckpt_path"] = str(path)
-    if rank_label() == "0":
-        sys.stderr.write(f"{subcommand}: --ckpt_path {ckpt_path} is {path}\n")
-    run = last.parent.parent
-    return run if subcommand == "fit" and last.name == "last.ckpt" and last.parent.name == "checkpoints" else None
-
-
-def further(last: Path | None, hpc: Path | None) -> Path | None:
-    """Of the newest last.ckpt and a SLURM requeue's hpc_ckpt_N.ckpt, the one further in training; on a tie the
-    requeue's: it is saved mid-epoch with the loader's position, then the job stops and Lightning ends the epoch
-    with a last.ckpt of the same step that counts the epoch as done (a resume from it skipped the epoch's rest)."""
-    if last is None or hpc is None:
-        return last or hpc
-    if last.is_dir() or hpc.is_dir():  # a sharded checkpoint keeps its step in the shards: the newer one
-        return max(last, hpc, key=lambda c: (c / ".metadata" if c.is_dir() else c).stat().st_mtime)
-    steps = [load_lazily(str(c)).get("global_step", -1) for c in (last, hpc)]
-    return hpc if steps[1] >= steps[0] else last
-
-
-def newest_hpc_checkpoint(root: Path) -> Path | None:
-    """The highest `hpc_ckpt_N.ckpt` in `root` that is complete: SlurmRequeue's (and Lightning's) save before a
-    requeue, mid-epoch, which Lightning itself resumes only when no `--ckpt_path` is given."""
-    numbered = [(int(p.stem[9:]), p) for p in root.glob("hpc_ckpt_*.ckpt") if p.stem[9:].isdigit()]
-    complete = [(n, p) for n, p in numbered if zipfile.is_zipfile(p) or (p / ".metadata").is_file()]
-    return max(complete)[1] if complete else None
-
-
-def newest_last_checkpoint(root: Path) -> Path | None:
-    """The most recently written complete `last.ckpt` under `root`: a file that is a whole zip archive (the
-    format torch.save writes; a torn write lacks its end), or a sharded checkpoint's directory with its index.
-    A sweep's or a study's folder below `root` (marked SWEEP_MARKER by ddpkit.scaling and ddpkit.tune) is skipped: its
-    runs are newer than the training, and shorter."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        if SWEEP_MARKER in filenames and Path(dirpath) != Path(root):
-            dirnames[:] = []
-            continue
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS]
-        path = Path(dirpath) / "last.ckpt"
-        if "last.ckpt" in filenames and zipfile.is_zipfile(path):
-            found.append((path.stat().st_mtime, path))
-        elif "last.ckpt" in dirnames and (path / ".metadata").is_file():
-            found.append(((path / ".metadata").stat().st_mtime, path))
-    return max(found)[1] if found else None
-
-
-def best_checkpoint(last: Path) -> Path:
-    """The best checkpoint recorded by the checkpoint callback in `last` (its state travels in every save)."""
-    if last.is_dir():
-        raise BadInput(f"--ckpt_path best: {last} is a sharded checkpoint; pass the best one's directory instead.")
-    states = load_lazily(str(last)).get("callbacks") or {}
-    best = [s["best_model_path"] for s in states.values() if isinstance(s, dict) and s.get("best_model_path")]
-    if not best or not Path(best[0]).exists():
-        raise BadInput(f"--ckpt_path best: {last} records no best checkpoint that still exists; pass a file.")
-    return Path(best[0])
-
-
 def main(default_config: str | Path, args: list[str] | None = None, run: bool = True) -> CLI:
     """A project's `main.py`: parse `args` (else sys.argv) over `default_config` and run the subcommand;
     with `run=False` only build model, data and trainer. Model and data classes come from the config."""
@@ -475,6 +382,7 @@ def main(default_config: str | Path, args: list[str] | None = None, run: bool = 
     )
 
 
-# Defined in this module before checks.py held them: projects and tests import them from ddpkit.cli, so they stay
-# importable from here (at the end: the import block above is what the CLI uses).
-from .checks import LIGHTNING_CKPT_PATHS, check_checkpoint, iterable_data_warning, world_size  # noqa: E402,F401
+# Defined in this module before checks.py and ckpt_paths.py held them: projects and tests import them from
+# ddpkit.cli, so they stay importable from here (at the end: the import block above is what the CLI uses).
+from .checks import LIGHTNING_CKPT_PATHS, check_checkpoint, iterable_data_warning, load_lazily, world_size  # noqa: E402,F401
+from .ckpt_paths import SKIP_DIRS, best_checkpoint, further, newest_hpc_checkpoint, newest_last_checkpoint  # noqa: E402,F401
