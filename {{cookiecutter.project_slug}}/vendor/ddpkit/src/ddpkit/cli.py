@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Learning
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.layer_sync import LayerSync
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
 from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
@@ -59,7 +59,7 @@ from .processes import (
 from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
 from .stop import GracefulStop, StopRequested
-from .strategy import TimedDDPStrategy
+from .strategy import TimedDDPStrategy, ddp_alias
 from .trackers import SaveTrackerRuns, continue_trackers
 from .trial import TrialReport
 from .tune import TRIAL_CHANNEL, TRIAL_METRIC, TRIAL_WORKER
@@ -275,13 +275,6 @@ class CLI(SubcommandCLI):
                 message += f"; killed ranks {stuck}, still running (hung?)"
             sys.stderr.write(f"error: {message}\n")
             exit_now(1)
-
-
-def ddp_alias(name: str) -> dict | None:
-    """The DDPStrategy arguments a registered strategy name stands for ("ddp", "ddp_spawn",
-    "ddp_find_unused_parameters_true", ...), or None when the name is not a plain DDPStrategy."""
-    entry = StrategyRegistry[name] if name in StrategyRegistry else None
-    return dict(entry["init_params"]) if entry is not None and entry["strategy"] is DDPStrategy else None
 
 
 def main(default_config: str | Path, args: list[str] | None = None, run: bool = True) -> CLI:
