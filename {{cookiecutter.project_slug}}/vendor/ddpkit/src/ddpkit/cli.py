@@ -4,39 +4,48 @@ Everything that can be checked from the configuration is checked right after
 parsing: before any model is built, any rank process is started or any file is
 written. A failure prints one `error:` line that says what to change and exits
 with status 2, like an unknown flag does.
+
+The checks are in `checks.py`, what `--ckpt_path last/best/auto` name in
+`ckpt_paths.py`, where the loggers write in `logdirs.py`; this module wires
+them into LightningCLI's steps.
 """
 
-import inspect
 import os
-import re
 import sys
 import traceback
-import zipfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from jsonargparse.typing import PositiveInt
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor
-from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.layer_sync import LayerSync
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
-from torch.utils.data import IterableDataset
 
-from . import __version__
 from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
-from .checkpoints import VERSION_KEY, AtomicCheckpointIO, RecordVersion
-from .checks import SECTIONS, carried_init_args, given_keys
+from .checkpoints import AtomicCheckpointIO, RecordVersion
+from .checks import (
+    BadInput,
+    IterableDataCheck,
+    check_config,
+    check_manual_accumulation,
+    check_optimizer_flags,
+    check_state_dict_fits,
+    match_torchrun,
+    plain_datamodule_warning,
+    warn_carried_init_args,
+)
+from .ckpt_paths import resolve_ckpt_path
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
 from .hang import HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
+from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
 from .predictions import PredictionWriter
 from .processes import (
     exit_now,
@@ -49,21 +58,11 @@ from .processes import (
 )
 from .requeue import SlurmRequeue
 from .sampling import ResumeLoaderPosition
-from .scaling import SWEEP_MARKER
 from .stop import GracefulStop, StopRequested
-from .strategy import TimedDDPStrategy
+from .strategy import TimedDDPStrategy, ddp_alias
 from .trackers import SaveTrackerRuns, continue_trackers
 from .trial import TrialReport
 from .tune import TRIAL_CHANNEL, TRIAL_METRIC, TRIAL_WORKER
-
-# `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
-LIGHTNING_CKPT_PATHS = {"hpc"}
-# Not searched for last.ckpt: environments, caches, version control.
-SKIP_DIRS = {"site-packages", "__pycache__", "node_modules"}
-
-
-class BadInput(Exception):
-    """A configuration that cannot work; the message says what to change."""
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -81,26 +80,6 @@ class ArgumentParser(LightningArgumentParser):
                     if "save_dir" in args_ and args_.save_dir is None:
                         args_.save_dir = str(trainer.get("default_root_dir") or os.getcwd())
         super().validate(cfg, *args, **kwargs)
-
-
-class RunConfigSaver(SaveConfigCallback):
-    """Saves the run's `config.yaml` into its log directory, and nowhere else.
-
-    Without a logger Lightning's log directory is `default_root_dir`, by default the project itself, whose
-    own `config.yaml` the run's would then replace (overwrite is on, for requeued SLURM jobs).
-    """
-
-    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        if trainer.logger is not None:  # the same on every rank, so the collective inside runs on all or none
-            super().setup(trainer, pl_module, stage)
-
-    def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        # The whole resolved configuration (every class, every argument) to every logger, as one YAML text
-        # under "config" (CSV: hparams.yaml; TensorBoard: its hparams tab), not only to the first one's dir.
-        # With the version of ddpkit that ran it (hparams.yaml's `ddpkit_version`).
-        config = self.parser.dump(self.config, skip_none=False)
-        for logger in trainer.loggers:
-            logger.log_hyperparams({"config": config, VERSION_KEY: __version__})
 
 
 class CLI(SubcommandCLI):
@@ -298,372 +277,6 @@ class CLI(SubcommandCLI):
             exit_now(1)
 
 
-def ddp_alias(name: str) -> dict | None:
-    """The DDPStrategy arguments a registered strategy name stands for ("ddp", "ddp_spawn",
-    "ddp_find_unused_parameters_true", ...), or None when the name is not a plain DDPStrategy."""
-    entry = StrategyRegistry[name] if name in StrategyRegistry else None
-    return dict(entry["init_params"]) if entry is not None and entry["strategy"] is DDPStrategy else None
-
-
-def plain_datamodule_warning(datamodule: Any) -> str:
-    """One line: what a data module that is not a GlobalBatchDataModule loses, and how to get it back."""
-    base = f"{GlobalBatchDataModule.__module__.rsplit('.', 1)[0]}.{GlobalBatchDataModule.__name__}"
-    return (
-        f"warning: {type(datamodule).__name__} is a plain LightningDataModule: its batch size is per device "
-        "(the global batch grows with --trainer.devices), and 1-vs-N device parity, exact mid-epoch resume and "
-        f"exactly-once evaluation are not guaranteed; subclass {base} and return datasets to keep them "
-        "(ddpkit.streaming.StreamingDataModule for shards or streams)."
-    )
-
-
-def iterable_data_warning(loaders: Any, world_size: int) -> str | None:
-    """One line when a training loader of a plain data module reads an IterableDataset on several processes."""
-    loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders
-    loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-    iterable = [dl.dataset for dl in loaders if isinstance(getattr(dl, "dataset", None), IterableDataset)]
-    if not iterable or world_size < 2:
-        return None
-    return (
-        f"warning: the training data ({type(iterable[0]).__name__}) is an IterableDataset that Lightning does not "
-        f"split over the {world_size} processes: unless it splits itself by rank, every rank reads the whole "
-        f"stream (each sample {world_size} times per epoch) and a rank whose stream ends first leaves the others "
-        "waiting at the epoch's end; ddpkit.streaming.StreamingDataModule reads shards once over all ranks."
-    )
-
-
-class IterableDataCheck(Callback):
-    """Says, before the first training step, what an iterable dataset in a plain data module gets wrong."""
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        warning = iterable_data_warning(trainer.train_dataloader, trainer.world_size)
-        if warning and trainer.is_global_zero:
-            sys.stderr.write(warning + "\n")
-
-
-def warn_carried_init_args(config: Any, argv: list[str], default_config: Path) -> None:
-    """One warning line per section whose class a `--config` or `--model`/`--data` changed while arguments of the
-    same name kept the default config's values (checks.carried_init_args)."""
-    try:
-        defaults = yaml.safe_load(default_config.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return
-    for section in SECTIONS:
-        final, default = config.get(section), defaults.get(section)
-        if not isinstance(default, dict) or not hasattr(final, "get"):
-            continue
-        final = final.as_dict() if hasattr(final, "as_dict") else dict(final)
-        line = carried_init_args(section, final, default, given_keys(argv, section), default_config.name)
-        if line:
-            sys.stderr.write(line + "\n")
-
-
-def check_config(config: Any) -> None:
-    """Refuse configurations that would fail only after ranks start or files are written."""
-    trainer, data = config.get("trainer") or {}, config.get("data") or {}
-    world = world_size(trainer)
-    init_args = (data.get("init_args") or {}) if hasattr(data, "get") else {}
-    batch = init_args.get("global_batch_size")
-    if world and isinstance(batch, int) and batch % world:
-        suggestion = batch - batch % world or world
-        raise BadInput(
-            f"global_batch_size={batch} does not divide evenly over {world} processes: set "
-            f"--data.global_batch_size to a multiple of {world} (e.g. {suggestion}) or change --trainer.devices."
-        )
-    ckpt_path = config.get("ckpt_path")
-    if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_PATHS and "://" not in str(ckpt_path):
-        check_checkpoint(str(ckpt_path), config.get("model"))
-
-
-def logger_init_args(trainer: Any) -> list[Any]:
-    """The `init_args` of each logger given by class path in a trainer config (none for `logger: true`)."""
-    loggers = trainer.get("logger")
-    loggers = loggers if isinstance(loggers, list) else [loggers]
-    return [e.init_args for e in loggers if hasattr(e, "get") and hasattr(e.get("init_args"), "get")]
-
-
-def place_loggers(trainer: Any, resumed_run: Path | None) -> None:
-    """Put the loggers that write under `--trainer.default_root_dir` into one run directory.
-
-    A logger without `save_dir` writes there (`ArgumentParser.validate`), like Lightning's `logger: true`.
-    Loggers that share a directory and set no version share one: the SLURM job id (a requeued job continues
-    it; Lightning's own choice for `logger: true`), the run that `fit --ckpt_path last` continues, or else
-    the next free number, found once for all of them.
-    """
-    if not hasattr(trainer, "get"):
-        return
-    root = str(trainer.get("default_root_dir") or os.getcwd())
-    entries = logger_init_args(trainer)
-    if resumed_run is not None:  # `--ckpt_path last` continues a run: its logs stay in that run's directory
-        for args in entries:
-            if args.get("save_dir") == root and "version" in args and args.version is None:
-                args.save_dir, args.name = str(resumed_run.parent.parent), resumed_run.parent.name
-                args.version = resumed_run.name
-        return
-    groups: dict[Path, list[Any]] = {}
-    for args in entries:
-        if "version" in args and args.version is None and args.get("save_dir") is not None:
-            groups.setdefault(Path(args.save_dir) / (args.get("name") or ""), []).append(args)
-    for directory, group in groups.items():
-        version = SLURMEnvironment.job_id()
-        if version is None and len(group) > 1:
-            version = next_version(directory)
-        for args in group:
-            args.version = version
-
-
-def requeued_run(trainer: Any, ckpt_path: str | None) -> Path | None:
-    """The log directory of a requeued SLURM job that resumes its requeue checkpoint (`hpc_ckpt_N.ckpt`, which
-    `--ckpt_path auto` picks): place_loggers named it after the job id, which the requeue keeps."""
-    job = SLURMEnvironment.job_id()
-    if job is None or not ckpt_path or not re.fullmatch(r"hpc_ckpt_\d+\.ckpt", Path(ckpt_path).name):
-        return None
-    for args in logger_init_args(trainer):
-        if args.get("version") == job and args.get("save_dir") is not None:
-            return Path(args.save_dir) / (args.get("name") or "") / f"version_{job}"
-    return None
-
-
-def next_version(directory: Path) -> int:
-    """The number after the highest `version_N` in `directory` (0 if none), as Lightning's loggers count."""
-    numbers = [int(p.name[8:]) for p in directory.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
-    return max(numbers, default=-1) + 1
-
-
-def check_optimizer_flags(config: Any, model: Any) -> None:
-    """LightningCLI's `--optimizer`/`--lr_scheduler` replace the module's `configure_optimizers`; a module that
-    takes its optimizer and schedule as arguments would silently lose them (and its parameter groups)."""
-    given = [flag for flag in ("optimizer", "lr_scheduler") if config.get(flag)]
-    takes = inspect.signature(type(model).__init__).parameters.keys() & {"optimizer", "scheduler"}
-    if given and takes:
-        raise BadInput(
-            f"--{given[0]} would replace {type(model).__name__}.configure_optimizers: this model takes its "
-            "optimizer and schedule as arguments, so use --model.optimizer CLASS (--model.optimizer.lr ...) and "
-            "--model.scheduler CLASS; see python main.py fit --model.help " + type(model).__name__ + "."
-        )
-
-
-def check_manual_accumulation(model: Any, datamodule: Any, world: int) -> None:
-    """A module that optimizes manually steps its optimizers itself on every batch it gets, and Lightning does not
-    accumulate for it (it ignores accumulate_grad_batches, silently): micro-batches would each be a step of their
-    own, on a global batch shrunk by the accumulation factor."""
-    if model.automatic_optimization or not isinstance(datamodule, GlobalBatchDataModule):
-        return
-    micro, share = datamodule.micro_batch_size, datamodule.global_batch_size // world
-    if micro is not None and micro < share:
-        raise BadInput(
-            f"--data.micro_batch_size {micro} would split each device's {share} samples into {share // micro} "
-            f"micro-batches, but {type(model).__name__} optimizes manually (automatic_optimization = False), "
-            f"which Lightning does not accumulate for: every micro-batch would be an optimizer step on {micro * world} "
-            f"samples instead of the global batch of {datamodule.global_batch_size}. Leave micro_batch_size unset."
-        )
-
-
-def match_torchrun(trainer: Any) -> None:
-    """Under torchrun, `devices: auto` means the processes torchrun started on this node (and `num_nodes: 1`
-    all its nodes); a shape that contradicts torchrun's is refused before any process group forms."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not hasattr(trainer, "get"):
-        return
-    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    if str(trainer.get("devices", "auto")) in ("auto", "-1"):
-        trainer["devices"] = local
-    if int(trainer.get("num_nodes") or 1) == 1 and world > local:
-        trainer["num_nodes"] = world // local
-    devices, nodes = str(trainer["devices"]), int(trainer.get("num_nodes") or 1)
-    devices = int(devices) if devices.isdigit() else None  # a list of device ids is Lightning's to check
-    if devices is not None and devices * nodes != world:
-        raise BadInput(
-            f"torchrun started {world} processes ({local} per node), but --trainer.devices {devices} "
-            f"--trainer.num_nodes {nodes} makes {devices * nodes}: set --trainer.devices {local} and "
-            f"--trainer.num_nodes {world // local}, or leave devices at auto."
-        )
-
-
-def resolve_ckpt_path(config: Any, subcommand: str) -> Path | None:
-    """Turn `--ckpt_path last` and `auto` (and `best` for validate/test/predict) into a file; return the run
-    directory that `fit` continues, else None.
-
-    Lightning looks for `last` only in the new run's own directory, so after a finished or crashed run it
-    warns and trains from scratch. Here `last` is the newest complete `last.ckpt` under
-    `--trainer.default_root_dir`, and nothing found is an error, never a silent fresh start. `fit --ckpt_path
-    auto` is the command for a job that a scheduler starts and restarts: the newest complete `last.ckpt` under
-    the root, or a SLURM requeue's `hpc_ckpt_N.ckpt` in the root itself when it is as far (`further`), else a
-    new run.
-    """
-    ckpt_path = config.get("ckpt_path")
-    if ckpt_path not in ("last", "best", "auto"):
-        return None
-    if ckpt_path == "best" and subcommand == "fit":
-        raise BadInput("--ckpt_path best is for validate, test and predict; resume training with --ckpt_path last.")
-    if ckpt_path == "auto" and subcommand != "fit":
-        raise BadInput(f"--ckpt_path auto is for fit (a job that may restart); {subcommand} takes last or best.")
-    root = Path((config.get("trainer") or {}).get("default_root_dir") or os.getcwd())
-    last = newest_last_checkpoint(root)
-    if ckpt_path == "auto":
-        last = further(last, newest_hpc_checkpoint(root))
-        if last is None:
-            config["ckpt_path"] = None
-            if rank_label() == "0":
-                sys.stderr.write(f"fit: --ckpt_path auto: no complete checkpoint under {root}; starting a new run\n")
-            return None
-    if last is None:
-        raise BadInput(
-            f"--ckpt_path {ckpt_path}: no complete last.ckpt under {root}. Train first (python main.py fit), "
-            "point --trainer.default_root_dir at the run's root, or pass a checkpoint file."
-        )
-    path = best_checkpoint(last) if ckpt_path == "best" else last
-    config["ckpt_path"] = str(path)
-    if rank_label() == "0":
-        sys.stderr.write(f"{subcommand}: --ckpt_path {ckpt_path} is {path}\n")
-    run = last.parent.parent
-    return run if subcommand == "fit" and last.name == "last.ckpt" and last.parent.name == "checkpoints" else None
-
-
-def further(last: Path | None, hpc: Path | None) -> Path | None:
-    """Of the newest last.ckpt and a SLURM requeue's hpc_ckpt_N.ckpt, the one further in training; on a tie the
-    requeue's: it is saved mid-epoch with the loader's position, then the job stops and Lightning ends the epoch
-    with a last.ckpt of the same step that counts the epoch as done (a resume from it skipped the epoch's rest)."""
-    if last is None or hpc is None:
-        return last or hpc
-    if last.is_dir() or hpc.is_dir():  # a sharded checkpoint keeps its step in the shards: the newer one
-        return max(last, hpc, key=lambda c: (c / ".metadata" if c.is_dir() else c).stat().st_mtime)
-    steps = [load_lazily(str(c)).get("global_step", -1) for c in (last, hpc)]
-    return hpc if steps[1] >= steps[0] else last
-
-
-def newest_hpc_checkpoint(root: Path) -> Path | None:
-    """The highest `hpc_ckpt_N.ckpt` in `root` that is complete: SlurmRequeue's (and Lightning's) save before a
-    requeue, mid-epoch, which Lightning itself resumes only when no `--ckpt_path` is given."""
-    numbered = [(int(p.stem[9:]), p) for p in root.glob("hpc_ckpt_*.ckpt") if p.stem[9:].isdigit()]
-    complete = [(n, p) for n, p in numbered if zipfile.is_zipfile(p) or (p / ".metadata").is_file()]
-    return max(complete)[1] if complete else None
-
-
-def newest_last_checkpoint(root: Path) -> Path | None:
-    """The most recently written complete `last.ckpt` under `root`: a file that is a whole zip archive (the
-    format torch.save writes; a torn write lacks its end), or a sharded checkpoint's directory with its index.
-    A sweep's or a study's folder below `root` (marked SWEEP_MARKER by ddpkit.scaling and ddpkit.tune) is skipped: its
-    runs are newer than the training, and shorter."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        if SWEEP_MARKER in filenames and Path(dirpath) != Path(root):
-            dirnames[:] = []
-            continue
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS]
-        path = Path(dirpath) / "last.ckpt"
-        if "last.ckpt" in filenames and zipfile.is_zipfile(path):
-            found.append((path.stat().st_mtime, path))
-        elif "last.ckpt" in dirnames and (path / ".metadata").is_file():
-            found.append(((path / ".metadata").stat().st_mtime, path))
-    return max(found)[1] if found else None
-
-
-def best_checkpoint(last: Path) -> Path:
-    """The best checkpoint recorded by the checkpoint callback in `last` (its state travels in every save)."""
-    if last.is_dir():
-        raise BadInput(f"--ckpt_path best: {last} is a sharded checkpoint; pass the best one's directory instead.")
-    states = load_lazily(str(last)).get("callbacks") or {}
-    best = [s["best_model_path"] for s in states.values() if isinstance(s, dict) and s.get("best_model_path")]
-    if not best or not Path(best[0]).exists():
-        raise BadInput(f"--ckpt_path best: {last} records no best checkpoint that still exists; pass a file.")
-    return Path(best[0])
-
-
-def world_size(trainer: Any) -> int | None:
-    """Processes the trainer config asks for; refuses more GPUs than are visible. None when unknown."""
-    accelerator, devices = str(trainer.get("accelerator", "auto")), trainer.get("devices", "auto")
-    num_nodes = int(trainer.get("num_nodes") or 1)
-    gpus = torch.cuda.device_count()
-    wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
-        count = len([d for d in (devices if isinstance(devices, (list, tuple)) else devices.split(",")) if str(d)])
-    elif isinstance(devices, int) and devices > 0:
-        count = devices
-    elif devices == "auto" or devices == -1:
-        count = gpus if wants_gpu else 1 if accelerator in ("cpu", "auto") else None
-    else:
-        return None
-    if wants_gpu and (count and count > gpus or not gpus):
-        visible = f"only {gpus} GPU{'s' if gpus != 1 else ''} visible" if gpus else "no CUDA GPU is visible"
-        fix = f"use --trainer.devices {gpus} or fewer" if gpus else "use --trainer.accelerator cpu"
-        asked = f"--trainer.devices asks for {count} GPUs" if count else f"--trainer.accelerator {accelerator}"
-        raise BadInput(f"{asked} but {visible}: {fix}.")
-    return count * num_nodes if count else None
-
-
-def load_lazily(ckpt_path: str) -> Any:
-    """The checkpoint, weights-only, with tensors memory-mapped: the checks read names, shapes and
-    hyperparameters, so a multi-GB file costs them next to nothing (Lightning reads it once more to resume)."""
-    try:
-        return torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as error:
-        if "mmap" not in str(error):  # only the legacy (pre-zip) format cannot be mapped
-            raise
-        return torch.load(ckpt_path, map_location="cpu", weights_only=True)
-
-
-def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
-    """The checkpoint exists, loads without running code, and was saved by the configured model class."""
-    if Path(ckpt_path).is_dir():
-        # A sharded (distributed) checkpoint, e.g. from configs/model_parallel.yaml: torch's loader checks
-        # it shard by shard, so only its index is checked here.
-        if not (Path(ckpt_path) / ".metadata").is_file():
-            raise BadInput(f"--ckpt_path {ckpt_path} is a directory without a sharded checkpoint's .metadata.")
-        return
-    if not Path(ckpt_path).is_file():
-        raise BadInput(f"--ckpt_path {ckpt_path} does not exist: pass an existing .ckpt file (or 'last').")
-    try:
-        checkpoint = load_lazily(ckpt_path)
-    except Exception as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise BadInput(
-            f"--ckpt_path {ckpt_path} is not a checkpoint that loads as plain weights ({first}). "
-            "Use a checkpoint written by this project; see README 'Untrusted files'."
-        ) from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise BadInput(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (no 'state_dict').")
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    saved_class = hparams.pop("_class_path", None)
-    hparams.pop("_instantiator", None)
-    configured = model_config.get("class_path") if hasattr(model_config, "get") else None
-    saved_version = checkpoint.get(VERSION_KEY)
-    if saved_version and saved_version != __version__ and rank_label() == "0":
-        # Defaults, checkpoint contents or the resume logic may have changed between the two versions.
-        sys.stderr.write(
-            f"warning: --ckpt_path {ckpt_path} was written by ddpkit {saved_version}; this is ddpkit {__version__}: "
-            "compare the two versions' changes before trusting a resumed run to match an uninterrupted one\n"
-        )
-    if saved_class and configured and saved_class != configured:
-        raise BadInput(
-            f"--ckpt_path {ckpt_path} was saved by model {saved_class}, but the model is {configured}: "
-            f"pass --model {saved_class} or another checkpoint."
-        )
-    # LightningCLI replaces the configured model arguments by the checkpoint's: say so when they differ.
-    init_args = (model_config.get("init_args") or {}) if hasattr(model_config, "get") else {}
-    init_args = {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in init_args.items()}  # e.g. an optimizer
-    changed = [f"{k}={hparams[k]!r} (configured {v!r})" for k, v in init_args.items() if hparams.get(k, v) != v]
-    if changed:
-        sys.stderr.write(
-            f"warning: --ckpt_path restores the model arguments saved in the checkpoint: {', '.join(changed)}\n"
-        )
-
-
-def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
-    """The checkpoint's weights have the names and shapes of the model's, whatever saved it."""
-    saved = load_lazily(ckpt_path)["state_dict"]
-    mine = model.state_dict()
-    missing, unexpected = sorted(mine.keys() - saved.keys()), sorted(saved.keys() - mine.keys())
-    reshaped = sorted(k for k in mine.keys() & saved.keys() if tuple(mine[k].shape) != tuple(saved[k].shape))
-    if missing or unexpected or reshaped:
-        names = (missing or unexpected or reshaped)[:3]
-        raise BadInput(
-            f"--ckpt_path {ckpt_path} holds weights of a different model ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected, {len(reshaped)} of another shape, e.g. {', '.join(names)}): "
-            f"select the model it was trained with (--model ...)."
-        )
-
-
 def main(default_config: str | Path, args: list[str] | None = None, run: bool = True) -> CLI:
     """A project's `main.py`: parse `args` (else sys.argv) over `default_config` and run the subcommand;
     with `run=False` only build model, data and trainer. Model and data classes come from the config."""
@@ -684,3 +297,10 @@ def main(default_config: str | Path, args: list[str] | None = None, run: bool = 
         run=run,
         args=args,
     )
+
+
+# Defined in this module before checks.py, ckpt_paths.py and logdirs.py held them: projects and tests import them
+# from ddpkit.cli, so they stay importable from here (at the end: the import block above is what the CLI uses).
+from .checks import LIGHTNING_CKPT_PATHS, check_checkpoint, iterable_data_warning, load_lazily, world_size  # noqa: E402,F401
+from .ckpt_paths import SKIP_DIRS, best_checkpoint, further, newest_hpc_checkpoint, newest_last_checkpoint  # noqa: E402,F401
+from .logdirs import next_version  # noqa: E402,F401

@@ -1,6 +1,6 @@
 """The scaling doctor's analysis: from per-rank measurements to a summary, findings and a report.
 
-Pure functions of numbers; the callback that measures them is `doctor.py`.
+Pure functions of numbers; the callback that measures them is `doctor.py` (the measurement itself: `measure.py`).
 """
 
 from dataclasses import dataclass

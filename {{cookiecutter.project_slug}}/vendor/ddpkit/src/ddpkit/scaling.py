@@ -51,7 +51,7 @@ from ddpkit.gap import PARTS, explain, format_explain, measured_without_cpu_wait
 from ddpkit.record import DoctorRecord, SchemaError
 
 # Written in a sweep's output folder: `--ckpt_path last`, `best` and `auto` from a folder above it skip its runs
-# (ddpkit.cli.newest_last_checkpoint), which are short measurements, not the training a user means to continue.
+# (ddpkit.ckpt_paths.newest_last_checkpoint), which are short measurements, not the training a user means to continue.
 SWEEP_MARKER = ".ddpkit-sweep"
 
 

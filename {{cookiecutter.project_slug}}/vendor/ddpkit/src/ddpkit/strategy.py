@@ -1,9 +1,9 @@
-"""DDP with a short collective timeout that still lets slow starts meet."""
+"""DDP with a short collective timeout that still lets slow starts meet; the strategy names that are plain DDP."""
 
 from datetime import timedelta
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from .lightning_internals import ddp_timeout, set_ddp_timeout, set_process_group_timeout
 
@@ -29,3 +29,10 @@ class TimedDDPStrategy(DDPStrategy):
         finally:
             set_ddp_timeout(self, timeout)
         set_process_group_timeout(timeout)
+
+
+def ddp_alias(name: str) -> dict | None:
+    """The DDPStrategy arguments a registered strategy name stands for ("ddp", "ddp_spawn",
+    "ddp_find_unused_parameters_true", ...), or None when the name is not a plain DDPStrategy."""
+    entry = StrategyRegistry[name] if name in StrategyRegistry else None
+    return dict(entry["init_params"]) if entry is not None and entry["strategy"] is DDPStrategy else None
