@@ -31,7 +31,7 @@ if {{ cookiecutter.streaming_example | tojson }} != "yes":
 print(
     f"Baked {SLUG}/. Next, in a new virtual environment:\n"
     f"  cd {SLUG}\n"
-    "  pip install torch==2.13.0      # first: the build for your hardware\n"
-    '  pip install -e ".[dev]"\n'
-    "  python main.py fit             # ~20 s on 2 CPU cores; README.md has the rest"
+    "  pip install torch==2.13.0                     # first: the build for your hardware\n"
+    '  pip install -e ".[dev]" -c constraints.txt    # the versions the template tests\n'
+    "  python main.py fit                            # ~20 s on 2 CPU cores; README.md has the rest"
 )

@@ -34,9 +34,15 @@ def fresh_env(venv: Path) -> dict[str, str]:
 
 
 def torch_pin() -> str:
-    """The torch requirement a baked project pins (`torch==X.Y.Z`), from the template's pyproject.toml."""
-    text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "pyproject.toml").read_text()
-    return re.search(r'"(torch==[^"]+)"', text).group(1)
+    """The torch a baked project's CI installs (`torch==X.Y.Z`), from the template's constraints.txt."""
+    text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "constraints.txt").read_text()
+    return re.search(r"^(torch==\S+)$", text, flags=re.MULTILINE).group(1)
+
+
+def pinned_versions(constraints: Path) -> dict[str, str]:
+    """A constraints file's pins, as {name: version}."""
+    lines = (line.split("#")[0].strip() for line in constraints.read_text().splitlines())
+    return dict(line.split("==") for line in lines if "==" in line)
 
 
 def run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:

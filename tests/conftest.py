@@ -18,7 +18,7 @@ import pytest
 from bakes import bake, fresh_env, torch_pin
 
 # Session fixtures that start a background job, started by the first test that is not a timing one.
-BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run")
+BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run", "oldest_run")
 
 
 def pytest_configure(config):
@@ -129,6 +129,15 @@ def benchmark_run(tmp_path_factory) -> Future:
 
     with ThreadPoolExecutor(1) as pool:
         yield pool.submit(run_benchmark, tmp_path_factory.mktemp("bench") / "report.json")
+
+
+@pytest.fixture(scope="session")
+def oldest_run(tmp_path_factory) -> Future:
+    """The oldest supported releases under a default bake (test_oldest.oldest_story), in the background."""
+    from test_oldest import oldest_story
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(oldest_story, tmp_path_factory.mktemp("oldest"))
 
 
 @pytest.fixture(scope="session")

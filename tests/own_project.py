@@ -264,7 +264,7 @@ def story(base: Path) -> dict:
     record["after"] = digests(project, USER_FILES)
 
     steps = workflow_steps(project)
-    assert steps[1] == 'pip install -e ".[dev]"', steps
+    assert steps[1] == 'pip install -e ".[dev]" -c constraints.txt', steps
     local_torch = steps[0].split(" --index-url")[0]  # the same pin, from this machine's own wheel
     assert local_torch == f"pip install {torch_pin()}", local_torch
     for step in [local_torch, steps[1]]:

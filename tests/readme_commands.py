@@ -82,7 +82,7 @@ SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal 
 
 GENERATED = {
     "pip install torch==2.13.0": Run(),
-    'pip install -e ".[dev]"': Run(),
+    'pip install -e ".[dev]" -c constraints.txt': Run(),
     "python main.py fit": Run(expect=["Scaling doctor: 1 x cpu", "verdict: "]),
     "python main.py fit --trainer.devices 2": Run(
         "python main.py fit --trainer.devices 2" + FEW + aside("devices-2"), ["2 x cpu"]
@@ -155,8 +155,8 @@ GENERATED = {
     "python main.py fit --doctor.enabled false": Run(
         "python main.py fit --doctor.enabled false" + FEW + aside("off"), absent=["Scaling doctor"]
     ),
-    'pip install -e ".[scaling]"': Run(),
-    'pip install -e ".[trackers]"': Run(),
+    'pip install -e ".[scaling]" -c constraints.txt': Run(),
+    'pip install -e ".[trackers]" -c constraints.txt': Run(),
     "python main.py fit --config configs/mlflow.yaml": Run(
         "python main.py fit --config configs/mlflow.yaml" + FEW, ["Experiment with name lightning_logs not found"]
     ),
@@ -179,7 +179,7 @@ GENERATED = {
             "ok: 2 processes joined one gloo group and all-reduced correctly",
         ]
     ),
-    'pip install -e ".[tune]"': Run(),
+    'pip install -e ".[tune]" -c constraints.txt': Run(),
     # One trial of the study, on 2 CPU processes, 20 steps; then its best values (in a folder outside the project).
     "python -m ddpkit.tune --space configs/tune.yaml --trials 20 --devices 2": Run(
         "python -m ddpkit.tune --space configs/tune.yaml --trials 1 --devices 2 --" + FEW,
@@ -206,7 +206,7 @@ GENERATED = {
     "python main.py fit && python main.py test --ckpt_path best": Run(
         "python main.py fit" + FEW + " && python main.py test --ckpt_path best", ["Test metric"]
     ),
-    'cruft update -y && pip install -e ".[dev]" && pytest': Elsewhere(UPDATE),
+    'cruft update -y && pip install -e ".[dev]" -c constraints.txt && pytest': Elsewhere(UPDATE),
     "pytest": Elsewhere(OWN_PROJECT),
     "pytest tests/examples": Run(expect=[" passed"], absent=[" failed", " error"], timeout=900),
     # Here (no GPU) every GPU test skips with its reason: the marker selects them and nothing else runs.

@@ -7,8 +7,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from bakes import TEMPLATE, WORKFLOW, bake, run, workflow_steps
+from bakes import TEMPLATE, WORKFLOW, bake, pinned_versions, run, torch_pin, workflow_steps
 from cookiecutter.exceptions import FailedHookException
+from packaging.requirements import Requirement
 
 # The user's project: what a default bake writes besides the library (vendor/ddpkit, checked as a whole below).
 COMMON = {
@@ -20,6 +21,7 @@ COMMON = {
     "cluster/trainjob.yaml",
     "cluster/tune.sbatch",
     "config.yaml",
+    "constraints.txt",
     "configs/debug.yaml",
     "configs/model_parallel.yaml",
     "configs/mlflow.yaml",
@@ -182,24 +184,25 @@ def test_generated_project_passes_ruff(tmp_path, name):
         assert result.returncode == 0, result.stdout
 
 
-def test_pyproject_declares_dependencies(default_project):
-    """The project pins torch and takes the library from vendor/ddpkit, which pins the runtime packages to the
-    versions CI tests; the dev tools are pinned too."""
+def test_pyproject_declares_ranges_and_constraints_pin_the_tested_set(default_project):
+    """The project asks for the torch range the library supports and takes the library from vendor/ddpkit, which
+    declares ranges; constraints.txt pins every one of those packages, and the dev tools, to one version inside its
+    range: the set the template's own CI installs (requirements.txt reads the same file)."""
     meta = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
-    assert meta["dependencies"] == ["torch==2.13.0", "ddpkit @ {root:uri}/vendor/ddpkit"]
-    library = tomllib.loads((LIBRARY / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = dict(d.split("==") for d in library + meta["optional-dependencies"]["dev"])
-    assert set(pins) == {
-        "torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse[signatures]", "pytest", "ruff", "cruft"
-    }  # fmt: skip
-    # Exactly the versions the template's own requirements.txt (its CI) installs.
-    tested = dict(line.split("==") for line in (TEMPLATE / "requirements.txt").read_text().splitlines() if "==" in line)
-    assert all(pins[name] == version for name, version in tested.items() if name in pins), (pins, tested)
-    # The trackers extra (configs/mlflow.yaml, configs/wandb.yaml) and the tune extra (python -m ddpkit.tune) pin what
-    # the library's extras of those names pin.
-    extras = tomllib.loads((LIBRARY / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert meta["optional-dependencies"]["trackers"] == extras["trackers"]
-    assert meta["optional-dependencies"]["tune"] == extras["tune"]
+    library = tomllib.loads((LIBRARY / "pyproject.toml").read_text())["project"]
+    torch_range = [d for d in library["dependencies"] if Requirement(d).name == "torch"]
+    assert meta["dependencies"] == [*torch_range, "ddpkit @ {root:uri}/vendor/ddpkit"]
+    ranges = {Requirement(d).name: Requirement(d).specifier for d in library["dependencies"]}
+    for extra in ("testing", "scaling", "trackers", "tune"):
+        ranges |= {Requirement(d).name: Requirement(d).specifier for d in library["optional-dependencies"][extra]}
+    ranges |= {Requirement(d).name: Requirement(d).specifier for d in meta["optional-dependencies"]["dev"][1:]}
+    pins = pinned_versions(default_project / "constraints.txt")
+    assert {name.lower() for name in ranges} <= {name.lower() for name in pins}, (ranges, pins)
+    assert all(ranges[name].contains(pins[name]) for name in ranges), (ranges, pins)
+    assert "-c {{cookiecutter.project_slug}}/constraints.txt" in (TEMPLATE / "requirements.txt").read_text()
+    # The project's extras are the library's, from vendor/ddpkit.
+    for extra in ("scaling", "trackers", "tune"):
+        assert meta["optional-dependencies"][extra] == [f"ddpkit[{extra}] @ {{root:uri}}/vendor/ddpkit"]
 
 
 BAD_NAMES = [
@@ -254,20 +257,19 @@ def test_cookiecutter_command_line_no_input(tmp_path):
     )
     assert result.returncode == 0, result.stdout
     assert (tmp_path / "cli-made" / "cli_made" / "digits" / "module.py").is_file()
-    # Then the next steps, with the torch that the project pins.
-    pins = tomllib.loads((tmp_path / "cli-made" / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch_pin,) = [d for d in pins if d.startswith("torch==")]
+    # Then the next steps, with the torch and the tested set that the project's constraints.txt pins.
     assert "Baked cli-made/. Next" in result.stdout and "\n  cd cli-made\n" in result.stdout
-    assert f"pip install {torch_pin} " in result.stdout and "python main.py fit" in result.stdout
+    assert f"pip install {torch_pin()} " in result.stdout and "python main.py fit" in result.stdout
+    assert 'pip install -e ".[dev]" -c constraints.txt' in result.stdout
 
 
-def test_workflow_installs_the_torch_that_the_project_pins(default_project):
-    """The workflow's first step is the CPU wheel of exactly the torch version pyproject.toml pins."""
-    pins = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch_pin,) = [d for d in pins if d.startswith("torch==")]
-    assert workflow_steps(default_project)[0] == (
-        f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu"
-    )
+def test_workflow_installs_the_tested_set(default_project):
+    """The workflow's first step is the CPU wheel of exactly the torch constraints.txt pins, its second the project
+    with those constraints."""
+    torch_pin = f"torch=={pinned_versions(default_project / 'constraints.txt')['torch']}"
+    steps = workflow_steps(default_project)
+    assert steps[0] == f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu"
+    assert steps[1] == 'pip install -e ".[dev]" -c constraints.txt'
 
 
 def test_ci_runs_the_readme_test_command():

@@ -13,7 +13,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ddpkit import lightning_internals as internals
 
-VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the library is tested on Lightning 2.5.0 and 2.6.6)"
+VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the library is tested on Lightning 2.5.1 and 2.6.6)"
 
 
 @pytest.mark.parametrize(

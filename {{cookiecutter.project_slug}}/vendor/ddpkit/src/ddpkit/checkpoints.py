@@ -108,7 +108,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # is visible (without a map, torch restores each tensor to its saved cuda:N), and on N GPUs no rank
         # loads the whole file onto cuda:0. Lightning copies the weights into the model on the rank's own
         # device and moves the optimizer state there.
-        return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=weights_only)
+        if "://" in str(path) and not str(path).startswith("file://"):  # remote: Lightning's loader, as it loads
+            return super().load_checkpoint(path, map_location=map_location or "cpu")
+        local = Path(str(path).removeprefix("file://"))
+        if not local.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        # torch.load itself: Lightning's loader takes `weights_only` only from 2.6 on.
+        return torch.load(local, map_location=map_location or "cpu", weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
         fs = get_filesystem(path)

@@ -3,7 +3,7 @@
 Each is a debt: a new release may rename or remove it. ddpkit's own tests check every name in `PRIVATE_NAMES`
 (and the behaviour of the helpers below) and fail naming the Lightning and torch versions, so an upgrade says
 at once what moved; they also fail when any other module of ddpkit uses a private name of Lightning or torch.
-Tested against Lightning 2.5.0 and 2.6.6 (the supported range's ends) with torch 2.13.0.
+Tested against Lightning 2.5.1 and 2.6.6 (the supported range's ends) with torch 2.13.0.
 """
 
 import json
@@ -41,7 +41,7 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
 ]
 
 
-# (owner, attribute, the Lightning release that added it): names that the oldest supported releases lack; the helper
+# (owner, attribute, the Lightning release that added it): names that the oldest supported release (2.5.1) lacks; the helper
 # that uses one does without it there.
 SINCE: list[tuple[Any, str, str]] = [
     (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "2.5.2"),
