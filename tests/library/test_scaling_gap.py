@@ -82,11 +82,12 @@ CAUSES = {
     "oversubscription": ("oversub-1", "oversub-2", "cpu_wait"),
     "small per-device batch": ("clean-1", "clean-4", "compute"),
 }
-# How far the predicted speed-up may be from the measured one without the ranks' wait for a CPU (relative):
-# worst of 6 runs since the doctor leaves that wait out, 4 devices +29%, 8 devices +55% (both at loads 14-28;
-# idle at most +4% and +20%; docs/measurements.md, the scaling gap). 8 ranks on 2 cores stay the ring model's
-# blind spot (their gloo threads wait for a CPU at once).
-TOLERANCE = {4: 0.35, 8: 0.75}
+# How far the predicted speed-up may be from the measured one without the ranks' wait for a CPU (relative). Idle,
+# as these timing tests run (first, alone): 4 devices +1.5 to +6%, 8 devices +10 to +23% (9 runs, 2026-12-02 and
+# 2026-12-03); beside other work (loads 14-28, which the test order now keeps away) up to +29% and +55%
+# (docs/measurements.md, the scaling gap). 4 devices' bound is about 3 x the worst idle error; 8 ranks on 2 cores
+# stay the ring model's blind spot (their gloo threads wait for a CPU at once), so theirs keeps the loaded margin.
+TOLERANCE = {4: 0.2, 8: 0.75}
 
 
 def pin_to_one_core() -> None:
