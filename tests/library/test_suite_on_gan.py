@@ -211,3 +211,16 @@ def test_a_training_step_drawing_random_numbers_is_named_instead_of_failing_on_a
         comparable(plan(noisy))
     with pytest.raises(pytest.fail.Exception, match="PARITY_ARGS='--model.noise_std 0'"):
         check_parity.test_weights_match_1_vs_2_devices(NoRuns(), plan(noisy), "fp64")
+
+
+def test_a_run_that_ends_through_os_exit_is_reported_at_once_with_its_error(project, tmp_path):
+    """A forked run that fails on ddpkit's error path (an exception in the training step: one `error:` line, then
+    os._exit) ends with its status, 1, and its error as the headline, instead of being waited out to the timeout
+    and reported as "timed out" (it wrote no status before the waiter did)."""
+    fault = ["--model", "ddpkit.toy.FaultyClassifier", "--model.fault", "raise", "--model.fault_rank", "0"]
+    fault += ["--model.fault_step", "0", "--data", "ddpkit.toy.ToyData", "--trainer.max_steps", "2"]
+    fault += ["--trainer.num_sanity_val_steps", "0"]  # the GAN project monitors a metric the toy does not log
+    args = ["fit", *fault, "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
+    result = helpers.run_main(*args, cwd=tmp_path, timeout=120, log=tmp_path / "crash.log")
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert helpers.headline(result.stdout) == "error: rank 0 failed: RuntimeError: injected fault on rank 0"

@@ -5,6 +5,7 @@ import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from ddpkit.testing.check_parity import (
     weights_bound,
 )
 from ddpkit.testing.configured import switch_off
-from ddpkit.testing.runs import remove_checkpoints
+from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints
 from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -250,3 +251,56 @@ def test_remove_checkpoints_counts_each_file_once_and_keeps_the_logs(tmp_path):
     assert remove_checkpoints(tmp_path) == (3, 137)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["run/lightning_logs/version_0/metrics.csv", "run/probe/fit-rank0.json"]
+
+
+def test_a_failed_run_fails_only_the_tests_that_read_it():
+    """In a wave one run fails: its error (its first `error:` line first) is what reading it raises, the wave's other
+    runs are there, and a later wave's run that starts from it fails with that error while its other runs do not."""
+
+    def failing() -> None:
+        raise AssertionError("run bad exited 1: error: rank 1 failed: boom")
+
+    def second(runs: Waves) -> dict:
+        try:
+            start = runs["bad"]
+            jobs = {"from-bad": lambda: start}
+        except AssertionError as error:
+            jobs = {"from-bad": failed(error)}
+        return jobs | {"from-good": lambda: runs["good"] + 1}
+
+    runs = Waves(Path("."), [Wave(("good", "bad"), lambda runs: {"good": lambda: 1, "bad": failing}),
+                             Wave(("from-bad", "from-good"), second)])  # fmt: skip
+    with pytest.raises(AssertionError, match="^run bad exited 1: error: rank 1 failed: boom$"):
+        runs["bad"]
+    assert runs["good"] == 1 and runs["from-good"] == 2
+    with pytest.raises(AssertionError, match="^starts from a run that failed: run bad exited 1"):
+        runs["from-bad"]
+
+
+def test_a_run_whose_port_was_taken_starts_again(tmp_path):
+    """A run that exits on EADDRINUSE (another run took its port) starts again in its folder, cleared of what the
+    try wrote; a run that fails otherwise is reported at once."""
+    tries = tmp_path / "tries"
+    script = (
+        "import pathlib, sys; t = pathlib.Path(sys.argv[1]); n = len(t.read_text()) if t.exists() else 0; "
+        "t.write_text('x' * (n + 1)); pathlib.Path(sys.argv[4], f'try{n}').touch(); "
+        "print('EADDRINUSE' if n < int(sys.argv[2]) else 'trained'); sys.exit(1 if n < int(sys.argv[2]) else 0)"
+    )
+    (tmp_path / "run").mkdir()
+    job = command([sys.executable, "-c", script, str(tries), "1"], tmp_path / "run", tmp_path / "run.log")
+    assert job().root == tmp_path / "run" and len(tries.read_text()) == 2
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["try1"]  # the first try's file cleared
+    other = command(
+        [sys.executable, "-c", "import sys; print('error: no'); sys.exit(2)"], tmp_path / "o", tmp_path / "o.log"
+    )
+    with pytest.raises(AssertionError, match="^run o exited 2: error: no"):
+        other()
+
+
+def test_evaluation_runs_only_for_the_stages_with_a_step_and_a_set():
+    """validate, test and predict run for a stage the module defines a step for and the data module a set for."""
+    sizes = {"train_size": 64, "global_batch_size": 32, "steps_per_epoch": 2, "takes_micro_batch_size": True}
+    configured = sizes | {"stages": ["validate", "test", "predict"], "val_size": 8, "test_size": 8, "predict_size": 0}
+    assert evaluation_runs(plan(configured)) == ["validate-1dev", "test-1dev", "test-2dev"]
+    configured |= {"stages": ["validate"], "predict_size": 8}
+    assert evaluation_runs(plan(configured)) == ["validate-1dev"]
