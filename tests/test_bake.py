@@ -108,6 +108,15 @@ def test_the_users_rooms_stay_small(default_project):
     assert lines(tests) <= 100, [str(p) for p in tests]
 
 
+def test_the_generic_presets_are_the_librarys(default_project):
+    """configs/ starts with a copy of each preset the library ships (ddpkit/presets, their one source), byte for
+    byte, which `python -m ddpkit.presets` then reports as in configs/."""
+    shipped = sorted((LIBRARY / "src" / "ddpkit" / "presets").glob("*.yaml"))
+    assert [p.stem for p in shipped] == ["debug", "mlflow", "model_parallel", "wandb"]
+    for preset in shipped:
+        assert (default_project / "configs" / preset.name).read_bytes() == preset.read_bytes(), preset.name
+
+
 def test_lm_example_is_baked_only_when_asked(lm_project):
     """lm_example=yes adds the language model, its data, presets and tests, and nothing else."""
     assert files(lm_project) == COMMON | LM_EXAMPLE | {WORKFLOW}
