@@ -73,6 +73,7 @@ class Elsewhere:
 
 OWN_PROJECT = "tests/test_own_project.py::test_own_model_and_data_keep_the_guarantees"
 UPDATE = "tests/test_own_project.py::test_update_keeps_the_users_files_and_brings_the_new_library"
+PRESETS = "tests/test_own_project.py::test_update_brings_the_new_manual_and_the_presets_the_project_lacks"
 NO_GPU = "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu."
 DOCTOR_LINES = [
     "Scaling doctor: 2 x cpu, ",
@@ -126,7 +127,7 @@ GENERATED = {
         expect=["presets (use: python main.py fit --config configs/NAME.yaml):", "  mlflow          in configs/"],
         absent=["missing", "changed"],
     ),
-    "python -m ddpkit.presets mlflow": Elsewhere(UPDATE),
+    "python -m ddpkit.presets mlflow": Elsewhere(PRESETS),
     "ruff check --fix .": Run(expect=["All checks passed!"]),
     "python main.py fit --ckpt_path auto": Run("python main.py fit --ckpt_path auto" + FEW, ["fit: --ckpt_path auto"]),
     "kubectl apply -f cluster/trainjob.yaml": Elsewhere(
