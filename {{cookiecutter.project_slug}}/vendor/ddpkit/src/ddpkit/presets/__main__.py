@@ -4,4 +4,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported, as the library's tests import every module, it does nothing
+    sys.exit(main())
