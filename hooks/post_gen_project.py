@@ -11,6 +11,11 @@ SLUG = {{ cookiecutter.project_slug | tojson }}
 for cache in list(Path("vendor").rglob("__pycache__")):
     shutil.rmtree(cache, ignore_errors=True)
 
+# The generic presets are the library's package data (one source: ddpkit/presets); the project starts with a copy
+# of each in configs/, which is the user's from then on. `python -m ddpkit.presets` brings later ones.
+for preset in sorted(Path("vendor/ddpkit/src/ddpkit/presets").glob("*.yaml")):
+    shutil.copyfile(preset, Path("configs") / preset.name)
+
 if {{ cookiecutter.github_actions | tojson }} != "yes":
     shutil.rmtree(Path(".github"))
 

@@ -2,12 +2,14 @@
 starts it): neither asserts a duration, and each is mostly waiting for processes on its own core.
 
 A user bakes with `cruft create` (the default project, named My Project), keeps it in git, deletes the example
-and writes a model and data of their own (dict batches, dropout, val_loss), then the template releases a new
-library and the user runs `cruft update`, installs with the baked workflow's own steps in a new virtual
-environment (only the torch step changes: this machine's CPU wheel of the same pin), runs the workflow's
-remaining steps, and runs the first-wave parity tests on three classic DDP bugs. The user's model takes a learning-rate schedule
-and shards its layers under configs/model_parallel.yaml, so that the suite's schedule and sharded parity run. Every outcome is recorded;
-the tests read the record."""
+and writes a model and data of their own (dict batches, dropout, val_loss), and deletes configs/mlflow.yaml (as a
+project baked before that preset existed would lack it); then the template releases a new library (with a changed
+manual page and a new preset) and the user runs `cruft update`, installs with the baked workflow's own steps in a
+new virtual environment (only the torch step changes: this machine's CPU wheel of the same pin), takes the presets
+`configs/` lacks with `python -m ddpkit.presets`, runs the workflow's remaining steps, and runs the first-wave
+parity tests on three classic DDP bugs. The user's model takes a learning-rate schedule and shards its layers
+under ModelParallelStrategy (the model_parallel preset), so that the suite's schedule and sharded parity run. Every
+outcome is recorded; the tests read the record."""
 
 import hashlib
 import json
@@ -22,6 +24,21 @@ from bakes import TEMPLATE, fresh_env, run, torch_pin, workflow_steps
 
 VERSION_FILE = "{{cookiecutter.project_slug}}/vendor/ddpkit/src/ddpkit/__init__.py"
 NEW_VERSION = "99.0.0"  # the release the update brings (the template's own version is far below)
+LIBRARY = "{{cookiecutter.project_slug}}/vendor/ddpkit"
+# What the release changes in the manual (a page's new last line) and the preset it adds.
+MANUAL_PAGE = "docs/updating.md"
+MANUAL_CHANGE = "\nRelease 99.0.0 adds the shortrun preset: `python -m ddpkit.presets shortrun`.\n"
+NEW_PRESET = "shortrun"
+# The preset the user deleted before the update (as a project baked before it existed would lack it).
+LACKED_PRESET = "mlflow"
+# The presets' commands after the update, as the manual (presets.md) gives them: the listing, the documented copy,
+# the new preset's copy, and the documented copy again (now refused: the file exists).
+PRESET_COMMANDS = [
+    "python -m ddpkit.presets",
+    f"python -m ddpkit.presets {LACKED_PRESET}",
+    f"python -m ddpkit.presets {NEW_PRESET}",
+    f"python -m ddpkit.presets {LACKED_PRESET}",
+]
 GIT = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 # What the user writes or edits: their code, their config, their README. The example is deleted on day one.
 USER_FILES = ["my_project/wave_data.py", "my_project/wave_model.py", "my_project/buggy.py", "config.yaml", "README.md"]
@@ -124,7 +141,7 @@ class WaveRegressor(L.LightningModule):
         return self(batch["x"])
 
     def configure_model(self) -> None:
-        if self.device_mesh is not None:  # configs/model_parallel.yaml: each linear layer sharded over the ranks
+        if self.device_mesh is not None:  # the model_parallel preset: each linear layer sharded over the ranks
             shard_layers(self.net, [self.net[0], self.net[-1]], self.device_mesh)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict:
@@ -167,7 +184,6 @@ class UnsyncedMetric(WaveRegressor):
 '''
 
 
-
 def git(args: list[str], cwd: Path) -> str:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), **GIT}
     return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout
@@ -188,12 +204,17 @@ def template_repo(path: Path) -> str:
 
 
 def release_new_library(path: Path) -> str:
-    """A later commit of the template: the library's next release (its version) and a change to main.py, a file
-    the template owns. Returns the commit."""
+    """A later commit of the template: the library's next release (its version, a manual page changed, a preset
+    added) and a change to main.py, a file the template owns. Returns the commit."""
     version_file = path / VERSION_FILE
     text = version_file.read_text()
     assert '__version__ = "' in text
     version_file.write_text(text.replace(text.split('__version__ = "')[1].split('"')[0], NEW_VERSION, 1))
+    page = path / LIBRARY / MANUAL_PAGE
+    page.write_text(page.read_text() + MANUAL_CHANGE)
+    preset = path / LIBRARY / "src" / "ddpkit" / "presets" / f"{NEW_PRESET}.yaml"
+    preset.write_text("# One epoch: a preset new in release 99.0.0.\ntrainer:\n  max_epochs: 1\n")
+    git(["add", str(preset.relative_to(path))], path)
     main = path / "{{cookiecutter.project_slug}}" / "main.py"
     main.write_text(main.read_text() + "# the template's next main.py\n")
     git(["commit", "-qam", "ddpkit " + NEW_VERSION], path)
@@ -249,10 +270,9 @@ def story(base: Path) -> dict:
     (project / "my_project" / "wave_data.py").write_text(OWN_DATA.lstrip())
     (project / "my_project" / "wave_model.py").write_text(OWN_MODEL.lstrip())
     (project / "my_project" / "buggy.py").write_text(BUGGY.lstrip())
-    point_config_at(
-        project, "my_project.wave_model.WaveRegressor", "my_project.wave_data.WaveData", "val_loss", "min"
-    )
+    point_config_at(project, "my_project.wave_model.WaveRegressor", "my_project.wave_data.WaveData", "val_loss", "min")
     (project / "README.md").write_text((project / "README.md").read_text() + "\n## Our notes\n\nOurs.\n")
+    (project / "configs" / f"{LACKED_PRESET}.yaml").unlink()
     git(["add", "-A"], project)
     git(["commit", "-qm", "our model and data"], project)
     record["before"] = digests(project, USER_FILES)
@@ -273,6 +293,15 @@ def story(base: Path) -> dict:
     version = run(["python", "-c", "import ddpkit; print(ddpkit.__version__)"], project, timeout=60, env=env)
     record["installed_version"] = version.stdout.strip()
 
+    # The presets configs/ lacks after the update (cruft never touches configs/), from the installed library.
+    record["lacked_after_update"] = sorted(
+        name for name in (LACKED_PRESET, NEW_PRESET) if not (project / "configs" / f"{name}.yaml").exists()
+    )
+    record["presets"] = []
+    for command in PRESET_COMMANDS:
+        result = run(["bash", "-c", command], project, timeout=60, env=env)
+        record["presets"].append((command, result.returncode, result.stdout))
+
     record["steps"] = []
     before = {p.name for p in project.iterdir()}
     for step in steps[2:]:
@@ -287,5 +316,5 @@ def story(base: Path) -> dict:
         return result.returncode, result.stdout
 
     with ThreadPoolExecutor(len(BUGS)) as pool:  # independent pytest sessions, each in its own temporary dirs
-        record["bugs"] = dict(zip(BUGS, pool.map(bug_run, BUGS)))
+        record["bugs"] = dict(zip(BUGS, pool.map(bug_run, BUGS), strict=True))
     return record

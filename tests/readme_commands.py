@@ -1,17 +1,19 @@
-"""How each shell command of the root README and of a baked project's README is checked, and `run_readme`,
-which runs the generated README's commands for tests/test_docs.py (started in the background by
+"""How each shell command of the root README and of a baked project's docs is checked, and `run_readme`,
+which runs the baked project's documented commands for tests/test_docs.py (started in the background by
 tests/conftest.py, beside the other tests).
 
-`GENERATED` and `ROOT` say how each command is checked, keyed by the command exactly as its README writes
-it (without a trailing `# comment`). A command in a README that these tables do not list fails the test, and
-so does a listed command that the README no longer has: README and tables stay in step.
+A baked project's docs are its README.md and the library's manual, `vendor/ddpkit/docs/*.md` (`doc_files`: the
+README first, then the pages in the order `index.md` links them). `GENERATED` and `ROOT` say how each command is
+checked, keyed by the command exactly as the page writes it (without a trailing `# comment`). A command in the
+docs that these tables do not list fails the test, and so does a listed command that no page has any more: docs
+and tables stay in step. A command that moves from the README to a manual page keeps its check.
 
 The checks:
 - `Run`: run in the baked project (with the language-model and streaming examples), in a virtual environment that the
-  README's own install commands fill; it must exit 0 and print every `expect` string (and none of `absent`).
-  Where the README shows output (a block opening with `$ command`), each `expect` string must also be in
-  the output the README shows. The command runs as written or with one of these substitutions for a 2-core
-  CPU machine, each visible in the table: fewer steps (`FEW`), 2 CPU processes where the README has 4 or 8
+  docs' own install commands fill; it must exit 0 and print every `expect` string (and none of `absent`).
+  Where a page shows output (a block opening with `$ command`), each `expect` string must also be in
+  the output the page shows. The command runs as written or with one of these substitutions for a 2-core
+  CPU machine, each visible in the table: fewer steps (`FEW`), 2 CPU processes where the docs have 4 or 8
   GPUs, this machine for the other node of a rendezvous, a run folder outside the project (`aside`) for the
   commands of chains 3 and 4 that train.
 - `NeedsGPU`: without a GPU the command stops at once with one `error:` line and exit 2, like other bad
@@ -20,8 +22,9 @@ The checks:
   command with `--print_config` added: the command the script composes parses and holds `expect`.
 - `Elsewhere`: another test runs this command (named, and checked to exist).
 
-`run_readme` runs the install commands first, then the rest in four chains at once, each in README order (a
-later command may use what an earlier one trained): `CHAINS` says which command runs in which, and why.
+`run_readme` runs the install commands first, then the rest in four chains at once, each in the docs' order (a
+later command may use what an earlier one trained; a command documented twice runs once, where it first
+appears): `CHAINS` says which command runs in which, and why.
 """
 
 import re
@@ -46,7 +49,7 @@ def aside(name: str) -> str:
 
 @dataclass
 class Run:
-    command: str | None = None  # what runs here, when it differs from the README's
+    command: str | None = None  # what runs here, when it differs from the docs'
     expect: list[str] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)
     timeout: float = 300
@@ -70,6 +73,7 @@ class Elsewhere:
 
 OWN_PROJECT = "tests/test_own_project.py::test_own_model_and_data_keep_the_guarantees"
 UPDATE = "tests/test_own_project.py::test_update_keeps_the_users_files_and_brings_the_new_library"
+PRESETS = "tests/test_own_project.py::test_update_brings_the_new_manual_and_the_presets_the_project_lacks"
 NO_GPU = "--trainer.accelerator gpu but no CUDA GPU is visible: use --trainer.accelerator cpu."
 DOCTOR_LINES = [
     "Scaling doctor: 2 x cpu, ",
@@ -108,6 +112,23 @@ GENERATED = {
     "python -m ddpkit.parity runs/one/lightning_logs/version_0 runs/eight/lightning_logs/version_0": Run(
         expect=["PASS: worst max_rel"]
     ),
+    # The rounding reference of runs/one: the same training, 1 device x 4 micro-batches of 16 (the example's global
+    # batch is 64), as few steps as the runs it judges.
+    "python main.py fit --trainer.devices 1 --data.micro_batch_size 16 --trainer.default_root_dir runs/reordered": Run(
+        "python main.py fit --trainer.devices 1 --data.micro_batch_size 16 --trainer.default_root_dir runs/reordered"
+        + FEW
+    ),
+    (
+        "python -m ddpkit.parity runs/one/lightning_logs/version_0 runs/eight/lightning_logs/version_0 "
+        "--reference runs/reordered/lightning_logs/version_0"
+    ): Run(expect=["reference: reordering moved weights by max_rel ", "PASS: worst max_rel", " (weights), "]),
+    # In the docs' project every preset is as shipped; copying one (refused here: it exists) is the own project's.
+    "python -m ddpkit.presets": Run(
+        expect=["presets (use: python main.py fit --config configs/NAME.yaml):", "  mlflow          in configs/"],
+        absent=["missing", "changed"],
+    ),
+    "python -m ddpkit.presets mlflow": Elsewhere(PRESETS),
+    "ruff check --fix .": Run(expect=["All checks passed!"]),
     "python main.py fit --ckpt_path auto": Run("python main.py fit --ckpt_path auto" + FEW, ["fit: --ckpt_path auto"]),
     "kubectl apply -f cluster/trainjob.yaml": Elsewhere(
         "tests/library/test_cluster_restarts.py::test_trainjob_command_on_two_nodes_trains_one_device_weights"
@@ -234,6 +255,19 @@ ROOT = {
 }
 
 
+def doc_files(project: Path) -> list[Path]:
+    """A baked project's docs in reading order: README.md, then the manual's pages as vendor/ddpkit/docs/index.md
+    links them (tests/test_docs.py checks that it links every page), index.md last."""
+    manual = project / "vendor" / "ddpkit" / "docs"
+    linked = re.findall(r"\]\(([\w-]+\.md)\)", (manual / "index.md").read_text())
+    return [project / "README.md", *(manual / name for name in dict.fromkeys(linked)), manual / "index.md"]
+
+
+def documented_commands(project: Path) -> list[tuple[str, str]]:
+    """(command, shown output) of every shell command in the project's docs (doc_files), in reading order."""
+    return [found for path in doc_files(project) for found in shell_commands(path.read_text())]
+
+
 def shell_commands(markdown: str) -> list[tuple[str, str]]:
     """(command, shown output) for each shell command in the fenced code blocks of `markdown`: each line of a
     ```bash block (a trailing `# comment` removed), and the `$ ` line that opens a plain block of output."""
@@ -264,9 +298,10 @@ def free_port() -> int:
 
 
 # The chains beside the first (which holds every command not listed here: those that write or read lightning_logs/
-# or runs/ in the project, in README order). Chain 2 neither writes nor reads those (the sweeps write scaling/, in
-# README order: `--explain` reads the second; the study writes tune/, marked as scaling/ is, and its best values
-# train in a folder outside the project; the examples' tests use temporary folders). Chains 3 and 4 read no
+# or runs/ in the project, in the docs' order). Chain 2 neither writes nor reads those (the sweeps write scaling/, in
+# the docs' order: `--explain` reads the second; the study writes tune/, marked as scaling/ is, and its best values
+# train in a folder outside the project; the examples' tests use temporary folders; the presets' listing and ruff
+# only read). Chains 3 and 4 read no
 # earlier run, and a command of theirs that trains does so in a folder of its own outside the project (`aside`),
 # so that none of their checkpoints is the newest one `--ckpt_path last`, `best` or `auto` finds in the first chain
 # (the sweeps' folder is marked and skipped: test_docs.py checks it). The job alone, with nothing
@@ -284,6 +319,8 @@ CHAINS = {
         "python -m ddpkit.scaling --explain scaling/devices_1 scaling/devices_2",
         "python -m ddpkit.tune --space configs/tune.yaml --trials 20 --devices 2",
         "python main.py fit --config config.yaml --config tune/best.yaml",
+        "python -m ddpkit.presets",
+        "ruff check --fix .",
     },
     3: {
         "NNODES=2 GPUS_PER_NODE=8 RDZV_ENDPOINT=node0:29400 bash cluster/torchrun.sh",
@@ -316,7 +353,7 @@ def chain_of(command: str) -> int:
 
 
 def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
-    """Run one command of the generated README as its check says: {command: (what ran, exit status, output)}
+    """Run one documented command of the baked project as its check says: {command: (what ran, exit status, output)}
     (and the `--print_config` run of a NeedsGPU command)."""
     check, env = GENERATED[command], dict(env)
     if isinstance(check, Run):
@@ -331,7 +368,7 @@ def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
         env["PATH"] = f"{bin_dir}:{env['PATH']}"
     start = time.monotonic()
     result = run(["bash", "-c", ran], project, getattr(check, "timeout", 300), env)
-    print(f"{time.monotonic() - start:6.1f} s  $ {ran}", flush=True)  # shown with -s: the README's run times
+    print(f"{time.monotonic() - start:6.1f} s  $ {ran}", flush=True)  # shown with -s: the commands' run times
     done = {command: (ran, result.returncode, result.stdout)}
     if isinstance(check, NeedsGPU):
         parsed = run(["bash", "-c", f"{command} --print_config"], project, 120, env)
@@ -340,13 +377,13 @@ def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
 
 
 def run_readme(project: Path, env: dict, bin_dir: Path) -> dict:
-    """Every command of the generated README that runs here: the installs in README order, then the four chains
-    at once. Returns {command: (what ran, exit status, output)} and the project's config.yaml before."""
+    """Every documented command of the baked project that runs here: the installs in the docs' order, then the four
+    chains at once. Returns {command: (what ran, exit status, output)} and the project's config.yaml before."""
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
     results = {"config.yaml before": (project / "config.yaml").read_text()}
     commands = [
-        c for c, _ in shell_commands((project / "README.md").read_text()) if not isinstance(GENERATED[c], Elsewhere)
+        c for c in dict.fromkeys(c for c, _ in documented_commands(project)) if not isinstance(GENERATED[c], Elsewhere)
     ]
     installs = [c for c in commands if c.startswith("pip install")]
     for command in installs:

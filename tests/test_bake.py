@@ -27,7 +27,6 @@ COMMON = {
     "configs/mlflow.yaml",
     "configs/wandb.yaml",
     "configs/tune.yaml",
-    "docs/scaling-2cpu.png",
     "main.py",
     "pyproject.toml",
     "ddp_digits/__init__.py",
@@ -65,7 +64,11 @@ LIBRARY = TEMPLATE / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"
 
 def files(project: Path) -> set[str]:
     """The project's files outside vendor/ (the library, compared whole with the template's)."""
-    return {str(p.relative_to(project)) for p in project.rglob("*") if p.is_file() and p.parts[len(project.parts)] != "vendor"}
+    return {
+        str(p.relative_to(project))
+        for p in project.rglob("*")
+        if p.is_file() and p.parts[len(project.parts)] != "vendor"
+    }
 
 
 def library_files(root: Path) -> dict[str, bytes]:
@@ -98,6 +101,7 @@ def test_the_library_is_carried_unrendered_and_whole(default_project):
 def test_the_users_rooms_stay_small(default_project):
     """The user's package holds only the example (at most 500 Python lines) and the tests outside
     tests/examples are the few lines that select the library's suite."""
+
     def lines(paths):
         return sum(len(p.read_text().splitlines()) for p in paths)
 
@@ -108,6 +112,25 @@ def test_the_users_rooms_stay_small(default_project):
     assert lines(tests) <= 100, [str(p) for p in tests]
 
 
+def test_the_generic_presets_are_the_librarys(default_project):
+    """configs/ starts with a copy of each preset the library ships (ddpkit/presets, their one source), byte for
+    byte, which `python -m ddpkit.presets` then reports as in configs/."""
+    shipped = sorted((LIBRARY / "src" / "ddpkit" / "presets").glob("*.yaml"))
+    assert [p.stem for p in shipped] == ["debug", "mlflow", "model_parallel", "wandb"]
+    for preset in shipped:
+        assert (default_project / "configs" / preset.name).read_bytes() == preset.read_bytes(), preset.name
+
+
+def test_default_readme_is_the_projects_and_short(default_project):
+    """A default bake's README is the project's own, at most 200 lines: install, train, test, the example, the
+    layout, and links to the library's manual (vendor/ddpkit/docs/), which holds the rest."""
+    readme = (default_project / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for heading in ("## Install", "## Train", "## Test", "## The example, and your own", "## Layout", "## The manual"):
+        assert f"\n{heading}\n" in readme, heading
+    assert "(vendor/ddpkit/docs/index.md)" in readme
+
+
 def test_lm_example_is_baked_only_when_asked(lm_project):
     """lm_example=yes adds the language model, its data, presets and tests, and nothing else."""
     assert files(lm_project) == COMMON | LM_EXAMPLE | {WORKFLOW}
@@ -116,12 +139,13 @@ def test_lm_example_is_baked_only_when_asked(lm_project):
 
 def test_streaming_example_is_baked_only_when_asked(tmp_path, default_project):
     """streaming_example=yes adds the shard-streaming example, its config and test, and its README commands and
-    ignored shard folder; a default bake has none of them but the README's section on streaming sources."""
+    ignored shard folder; a default bake has none of them but the README's link to the manual's streaming page."""
     project = bake(tmp_path, streaming_example="yes")
     assert files(project) == COMMON | STREAM_EXAMPLE | {WORKFLOW}
     readme, default_readme = ((p / "README.md").read_text() for p in (project, default_project))
     assert "configs/stream.yaml" in readme and "configs/stream.yaml" not in default_readme
-    assert "### Bring a streaming source" in readme and "### Bring a streaming source" in default_readme
+    assert "## The streaming example" in readme and "## The streaming example" not in default_readme
+    assert "(vendor/ddpkit/docs/streaming.md)" in readme and "(vendor/ddpkit/docs/streaming.md)" in default_readme
     assert "data/digit-shards/" in (project / ".gitignore").read_text().splitlines()
     assert "data/digit-shards/" not in (default_project / ".gitignore").read_text()
 
@@ -135,7 +159,12 @@ def test_without_github_actions_the_workflow_is_removed(tmp_path):
 
 @pytest.mark.parametrize(
     ("license", "first_line"),
-    [("MIT", "MIT License"), ("Apache-2.0", "Apache License"), ("BSD-3-Clause", "BSD 3-Clause License"), ("none", None)],
+    [
+        ("MIT", "MIT License"),
+        ("Apache-2.0", "Apache License"),
+        ("BSD-3-Clause", "BSD 3-Clause License"),
+        ("none", None),
+    ],
 )
 def test_license_prompt_writes_the_license_and_declares_it(tmp_path, license, first_line):
     """The chosen license is the LICENSE file (with the author and year in its copyright line) and the SPDX

@@ -1,5 +1,7 @@
-"""Docs as tests: every shell command in the code blocks of the root README and of a baked project's README
-runs and does what the README says (how each is checked: tests/readme_commands.py)."""
+"""Docs as tests: every shell command in the code blocks of the root README and of a baked project's docs (its
+README and the library's manual, vendor/ddpkit/docs/) runs and does what the page says (how each is checked:
+tests/readme_commands.py); every relative link resolves and every measured figure names its source
+(tests/doc_rules.py)."""
 
 import json
 import os
@@ -13,7 +15,19 @@ import torch
 from bakes import TEMPLATE, run, torch_pin
 from ddpkit.cli import newest_last_checkpoint
 from ddpkit.scaling import SWEEP_MARKER
-from readme_commands import ASIDE_CHAINS, CHAINS, GENERATED, ROOT, Elsewhere, NeedsGPU, Run, shell_commands
+from doc_rules import PAGE_MENTION, dead_links, unsourced_figures
+from readme_commands import (
+    ASIDE_CHAINS,
+    CHAINS,
+    GENERATED,
+    ROOT,
+    Elsewhere,
+    NeedsGPU,
+    Run,
+    doc_files,
+    documented_commands,
+    shell_commands,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +42,24 @@ def test_pin_in_readme_install_is_the_projects():
 
 @pytest.mark.parametrize("readme", ["generated", "root"])
 def test_every_readme_command_is_listed(project, readme):
-    """The tables list exactly the commands of the README's code blocks: a new command needs a check."""
-    path, table = (project / "README.md", GENERATED) if readme == "generated" else (TEMPLATE / "README.md", ROOT)
-    documented = [command for command, _ in shell_commands(path.read_text())]
-    assert sorted(set(documented) - set(table)) == [], "add these to the table in tests/test_docs.py"
-    assert sorted(set(table) - set(documented)) == [], "these are no longer in the README"
+    """The tables list exactly the commands of the code blocks of the docs (a baked project's README and manual
+    pages; the root README): a new command needs a check."""
+    if readme == "generated":
+        documented, table = [command for command, _ in documented_commands(project)], GENERATED
+    else:
+        documented, table = [command for command, _ in shell_commands((TEMPLATE / "README.md").read_text())], ROOT
+    assert sorted(set(documented) - set(table)) == [], "add these to the table in tests/readme_commands.py"
+    assert sorted(set(table) - set(documented)) == [], "these are no longer in the docs"
+
+
+def test_the_manual_index_links_every_page_once(project):
+    """vendor/ddpkit/docs/index.md links each page of the manual exactly once (the docs' reading order, so every
+    page's commands are run), and no page that is not there."""
+    manual = project / "vendor" / "ddpkit" / "docs"
+    pages = {p.name for p in manual.glob("*.md")} - {"index.md"}
+    linked = re.findall(r"\]\(([\w-]+\.md)\)", (manual / "index.md").read_text())
+    assert sorted(linked) == sorted(pages) and len(linked) == len(set(linked)), (linked, pages)
+    assert [p.name for p in doc_files(project)[1:-1]] == linked
 
 
 def test_each_command_runs_in_one_chain_and_chains_3_and_4_train_outside_the_project():
@@ -85,8 +112,8 @@ def test_generated_readme_command_works(project, outcomes, command):
 
 
 def test_shown_output_matches_what_runs(project):
-    """Where the README shows a command's output, the lines the tests check are in what it shows."""
-    shown = {command: output for command, output in shell_commands((project / "README.md").read_text()) if output}
+    """Where a page shows a command's output, the lines the tests check are in what it shows."""
+    shown = {command: output for command, output in documented_commands(project) if output}
     assert len(shown) == 2
     for command, output in shown.items():
         for text in GENERATED[command].expect:
@@ -163,7 +190,8 @@ def test_generated_readme_layout_lists_every_top_level_entry(lm_project):
     """Every file and directory at the top of a baked project appears in the README's Layout section."""
     project = lm_project  # untouched: no runs, caches or installs beside the baked files
     text = (project / "README.md").read_text()
-    layout = text[text.index("## Layout") : text.index("## Test")]
+    layout = text[text.index("## Layout") :]
+    layout = layout[: layout.index("\n## ", 1)]
     named = set()
     for block in re.findall(r"^```\n(.*?)^```", layout, flags=re.DOTALL | re.MULTILINE):
         named |= layout_names(block)
@@ -179,3 +207,45 @@ def test_root_readme_tree_lists_every_top_level_entry():
     tracked = subprocess.run(["git", "ls-files"], cwd=TEMPLATE, capture_output=True, text=True, check=True).stdout
     top = {line.split("/")[0] for line in tracked.splitlines()} - {"README.md", ".gitignore"}
     assert sorted(top - {n.split("/")[0] for n in named}) == []
+
+
+def markdown_files(project: Path) -> list[Path]:
+    """The project's README, the library's README and the manual's pages."""
+    return [*doc_files(project), project / "vendor" / "ddpkit" / "README.md"]
+
+
+@pytest.fixture(params=["default", "examples"])
+def baked(request) -> Path:
+    """A default bake, and the one with the language-model and streaming examples (the README differs)."""
+    return request.getfixturevalue("default_project" if request.param == "default" else "readme_project")
+
+
+def test_every_relative_link_resolves(baked):
+    """Every relative markdown link of the project's README, the library's README and the manual's pages points to a
+    file of the bake, and its #anchor to a heading there; every page named as vendor/ddpkit/docs/NAME.md in the
+    bake's text files (presets, the library's messages, comments) exists (tests/doc_rules.py)."""
+    dead = [line for path in markdown_files(baked) for line in dead_links(path, baked)]
+    assert dead == []
+    manual = baked / "vendor" / "ddpkit" / "docs"
+    named = set()
+    for path in (p for p in baked.rglob("*") if p.suffix in (".md", ".py", ".yaml", ".toml", ".sbatch")):
+        try:
+            text = path.read_text()
+        except (FileNotFoundError, IsADirectoryError):  # a run's file, gone since (the docs' commands run beside)
+            continue
+        named |= {(path.relative_to(baked), page) for page in PAGE_MENTION.findall(text)}
+    assert named and [(str(p), page) for p, page in sorted(named) if not (manual / page).is_file()] == []
+
+
+def test_every_measured_figure_names_its_source(baked):
+    """Every paragraph, list item and table row of the project's README, the library's README and the manual that
+    states a measured figure (a time, a size, a percentage, an `Nx` ratio) carries a date, names a test or
+    measurements.md (tests/doc_rules.py says exactly what counts)."""
+    assert [line for path in markdown_files(baked) for line in unsourced_figures(path)] == []
+
+
+def test_the_manual_is_the_librarys_and_has_no_template_syntax(default_project):
+    """The manual is copied unrendered with the library: no `{{`, `{%` or cookiecutter variable in it."""
+    for path in (default_project / "vendor" / "ddpkit" / "docs").glob("*.md"):
+        text = path.read_text()
+        assert "{{" not in text and "{%" not in text and "cookiecutter" not in text, path.name

@@ -1,12 +1,24 @@
 """A user's project over time: baked with cruft, the example replaced by a model and data of the user's own,
 then a newer template (a new library release) taken with `cruft update`. The user's files stay as they are,
 the library is the new one, and the baked workflow's steps (the guarantee suite on the user's classes) pass.
-The story runs once (tests/own_project.py, started by tests/conftest.py); these tests read its record."""
+The update also brings the new release's manual (vendor/ddpkit/docs), and the presets the project's configs/ lacks
+come from the installed library with `python -m ddpkit.presets`. The story runs once (tests/own_project.py,
+started by tests/conftest.py); these tests read its record."""
 
 import json
 
 import pytest
-from own_project import DELETED, NEW_VERSION, tree
+from own_project import (
+    DELETED,
+    LACKED_PRESET,
+    LIBRARY,
+    MANUAL_CHANGE,
+    MANUAL_PAGE,
+    NEW_PRESET,
+    NEW_VERSION,
+    PRESET_COMMANDS,
+    tree,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +38,28 @@ def test_update_keeps_the_users_files_and_brings_the_new_library(own_project):
     assert tree(project / "vendor" / "ddpkit") == tree(template / "vendor" / "ddpkit")
     assert own_project["installed_version"] == NEW_VERSION
     assert (project / "main.py").read_text().endswith("# the template's next main.py\n")
+
+
+def test_update_brings_the_new_manual_and_the_presets_the_project_lacks(own_project):
+    """After `cruft update` the manual is the new release's (its changed page included), while configs/, the user's,
+    still lacks the preset they deleted and the one the release added; `python -m ddpkit.presets` lists both as
+    missing with the command that copies them, the manual's copy command brings each, byte for byte the installed
+    library's, and the same copy again keeps the file and exits 1."""
+    project, template = own_project["project"], own_project["template"]
+    assert (project / "vendor" / "ddpkit" / MANUAL_PAGE).read_text().endswith(MANUAL_CHANGE)
+    assert tree(project / "vendor" / "ddpkit" / "docs") == tree(template / LIBRARY / "docs")
+    assert own_project["lacked_after_update"] == sorted([LACKED_PRESET, NEW_PRESET])
+    ran = own_project["presets"]
+    assert [command for command, _, _ in ran] == PRESET_COMMANDS
+    (_, listed, listing), (_, first, _), (_, new, _), (_, again, refused) = ran
+    states = {line.split()[0]: line.split()[1] for line in listing.splitlines()[1:] if line.startswith("  ")}
+    assert listed == 0 and states[LACKED_PRESET] == states[NEW_PRESET] == "missing", listing
+    assert f"copy the missing ones: python -m ddpkit.presets {LACKED_PRESET} {NEW_PRESET}" in listing, listing
+    assert (first, new, again) == (0, 0, 1), ran
+    for name in (LACKED_PRESET, NEW_PRESET):
+        shipped = template / LIBRARY / "src" / "ddpkit" / "presets" / f"{name}.yaml"
+        assert (project / "configs" / f"{name}.yaml").read_bytes() == shipped.read_bytes(), name
+    assert refused.startswith(f"not copied: configs/{LACKED_PRESET}.yaml exists"), refused
 
 
 def test_own_model_and_data_keep_the_guarantees(own_project):

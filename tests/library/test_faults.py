@@ -175,8 +175,9 @@ GPUS = torch.cuda.device_count()
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason=f"the NCCL hang path needs 2 visible GPUs, found {GPUS}")
 def test_hang_under_nccl_ends_the_job_without_orphans(tmp_path):
-    """On 2 GPUs a hung rank 1 ends the job as README says: rank 0's NCCL watchdog times the all-reduce out after
-    --dist_timeout and takes rank 0 (the launcher) down; rank 1 follows its launcher; no process is left."""
+    """On 2 GPUs a hung rank 1 ends the job as the manual (faults.md) says: rank 0's NCCL watchdog times the
+    all-reduce out after --dist_timeout and takes rank 0 (the launcher) down; rank 1 follows its launcher; no
+    process is left."""
     result = run_scenario("hang", tmp_path / "hang", TIMEOUT, deadline=400, max_steps=STEPS, accelerator="gpu")
     assert result.returncode not in (0, None) and result.orphans == 0, result.output[-3000:]
     assert "Watchdog caught collective operation timeout" in result.output, result.output[-3000:]

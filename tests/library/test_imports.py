@@ -25,6 +25,13 @@ def test_the_tuning_worker_imports_neither_torch_nor_lightning():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_presets_command_imports_neither_torch_nor_lightning():
+    """`python -m ddpkit.presets` lists and copies files: it pays no torch start-up."""
+    code = f"import sys, ddpkit.presets; print([m for m in {UNNEEDED!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_dir_lists_the_public_names_before_they_load():
     """In a fresh interpreter, before any name is used (after a lookup, the name is a plain attribute anyway)."""
     code = "import ddpkit; print(sorted(set(ddpkit.__all__) - set(dir(ddpkit))))"

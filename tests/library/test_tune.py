@@ -509,21 +509,21 @@ def test_a_study_started_with_another_space_is_refused(tmp_path):
         open_study(storage, "s", space, "val/loss", "maximize")
 
 
-# ---- the generated README's tuning section ---------------------------------------------------------------------
-README = SCRIPT.parents[1] / "README.md"
+# ---- the manual's page on tuning (vendor/ddpkit/docs/tune.md) ------------------------------------------------------
+PAGE = SCRIPT.parents[1] / "vendor" / "ddpkit" / "docs" / "tune.md"
 
 
 def yaml_blocks() -> list:
-    return [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", README.read_text(), re.DOTALL | re.MULTILINE)]
+    return [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", PAGE.read_text(), re.DOTALL | re.MULTILINE)]
 
 
-def test_readme_shows_the_space_file_as_it_is():
-    """The space the README shows is configs/tune.yaml's (comments aside)."""
+def test_manual_shows_the_space_file_as_it_is():
+    """The space the manual shows is configs/tune.yaml's (comments aside)."""
     shown = [b for b in yaml_blocks() if isinstance(b, dict) and "params" in b]
     assert shown == [yaml.safe_load((SCRIPT.parents[1] / "configs" / "tune.yaml").read_text())]
 
 
-def test_readme_kubernetes_job_runs_the_workers_command():
+def test_manual_kubernetes_job_runs_the_workers_command():
     """The Job runs K pods at once of `python -m ddpkit.tune` with arguments the worker accepts, sharing a
     PostgreSQL study (from a Secret) and an output folder on the volume it mounts."""
     (job,) = [b for b in yaml_blocks() if isinstance(b, dict) and b.get("kind") == "Job"]

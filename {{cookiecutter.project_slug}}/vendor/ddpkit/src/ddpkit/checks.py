@@ -132,7 +132,7 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise BadInput(
             f"--ckpt_path {ckpt_path} is not a checkpoint that loads as plain weights ({first}). "
-            "Use a checkpoint written by this project; see README 'Untrusted files'."
+            "Use a checkpoint written by this project; see vendor/ddpkit/docs/faults.md, 'Untrusted files'."
         ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise BadInput(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (no 'state_dict').")

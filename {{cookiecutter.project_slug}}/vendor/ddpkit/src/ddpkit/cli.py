@@ -11,11 +11,12 @@ them into LightningCLI's steps.
 """
 
 import os
+import re
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from jsonargparse.typing import PositiveInt
@@ -47,6 +48,7 @@ from .hang import HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
 from .predictions import PredictionWriter
+from .presets import hint as preset_hint
 from .processes import (
     exit_now,
     failed_children,
@@ -70,6 +72,13 @@ class ArgumentParser(LightningArgumentParser):
 
     def print_usage(self, file: Any = None) -> None:  # argparse calls it only on errors
         pass
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> NoReturn:
+        # A --config file that is missing and is one of the library's presets: the project was baked before the
+        # preset existed, or deleted it, and `cruft update` never touches configs/. Say the command that copies it.
+        tips = filter(None, map(preset_hint, re.findall(r"[^\s'\"]+\.yaml", message)))
+        tip = next(tips, None)
+        super().error(f"{message} ({tip})" if tip else message, *args, **kwargs)
 
     def validate(self, cfg: Any, *args: Any, **kwargs: Any) -> None:
         # Before the check that a logger's required save_dir is set: a logger without one writes under

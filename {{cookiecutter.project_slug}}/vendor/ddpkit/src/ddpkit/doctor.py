@@ -30,7 +30,7 @@ from .record import DoctorRecord
 class ScalingDoctor(L.Callback):
     """Measures data wait, compute, gradient all-reduce, throughput and peak memory on every rank and reports
     why N devices are not N times faster. Turn it off with `--doctor.enabled false`
-    (see README), or `enabled: false` under `doctor:` in a config file.
+    (the manual: vendor/ddpkit/docs/doctor.md), or `enabled: false` under `doctor:` in a config file.
 
     Args:
         enabled: Measure and report; False makes every hook return at once.

@@ -116,7 +116,7 @@ def probe_training_step(model, data, model_config) -> dict:
             f"{type(model).__name__}'s training step draws random numbers (one step from the same weights and batch "
             f"under seeds 0 and 1 changes {len(changed)} of {len(first)} tensors differently, e.g. {changed[0]}), "
             f"so 1 and N devices cannot train the same weights: {switch_off(given)}, or draw it in the data set "
-            "(README, 'Replace the example', step 2)"
+            "(the manual: vendor/ddpkit/docs/your-model.md, step 2)"
         )
     return {"steps_per_batch": steps, "random_step": random_step}
 

@@ -64,7 +64,7 @@ def global_batch(configured, pytestconfig) -> dict:
     if not configured["global_batch_data"]:
         reason = (
             f"{configured['data']} is not a GlobalBatchDataModule: 1-vs-N parity, exact resume and exactly-once "
-            "evaluation are not guaranteed for it (README, 'Your own model and data')"
+            "evaluation are not guaranteed for it (the manual: vendor/ddpkit/docs/your-model.md)"
         )
         if pytestconfig.getini(PLAIN_DATA_OK):
             pytest.skip(f"{reason}; {PLAIN_DATA_OK} = true in pyproject.toml")

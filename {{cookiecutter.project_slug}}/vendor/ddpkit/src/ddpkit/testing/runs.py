@@ -5,9 +5,10 @@ three waves; every run of a wave starts at once (each run is mostly start-up, wh
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
    ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
    reversed): summation order alone, the rounding the float64 bounds start from.
-2. 1 and 2 devices in float32 and in bf16-mixed (and each precision's own rounding reference), `torchrun`, gradient accumulation on 2 devices x 2
-   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
-   module shards, and, when the model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
+2. 1 and 2 devices in float32 and in bf16-mixed (and each precision's own rounding reference), `torchrun`,
+   gradient accumulation on 2 devices x 2 micro-batches (not for a module that optimizes manually), two torchrun
+   "nodes", sharded training when the module shards (the library's model_parallel preset), and, when the model
+   takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
    the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
    module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
@@ -36,10 +37,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from .. import presets
 from ..parity import load_weights
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .fake_cuda import save_as_cuda
-from .helpers import finish, headline, main_py, project, run_main, start
+from .helpers import finish, headline, main_py, run_main, start
 
 
 @dataclass
@@ -454,11 +456,13 @@ def cluster_args(steps: dict) -> list[str]:
 
 
 def sharded_job(root: Path, steps: dict) -> dict:
-    """Epoch 1 sharded over 2 processes (configs/model_parallel.yaml, float32: ModelParallelStrategy has no
-    float64), epoch 2 resumed from its sharded checkpoint on 1; the weights at the end, gathered."""
+    """Epoch 1 sharded over 2 processes (the library's model_parallel preset, float32: ModelParallelStrategy has
+    no float64), epoch 2 resumed from its sharded checkpoint on 1; the weights at the end, gathered."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    args = ["--config", str(project() / "configs/model_parallel.yaml"), "--trainer.accelerator", "cpu"]
+    # The library's copy, not the project's configs/model_parallel.yaml: a project may lack it (baked before it
+    # existed, or deleted) or have set it for its cluster (8 devices), and the check needs 2 processes.
+    args = ["--config", str(presets.path("model_parallel")), "--trainer.accelerator", "cpu"]
     args += ["--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout", *parity_args()]
     two, one = root / "two", root / "one"
