@@ -19,6 +19,7 @@ UNITS = [
     "test_schedules.py",
     "test_diagnosis.py",
     "test_doctor_steps.py",
+    "test_presets.py",
 ]
 
 
