@@ -2,20 +2,26 @@
 tests run in.
 
 The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
-first, while nothing else of ours runs. The first test after them starts the long jobs that time nothing in
-the background, those its session will read: the generated README's commands (readme_commands.py), the
-own project's story (own_project.py) and the benchmark's tiny run (test_benchmarks.py), besides tests/library's
-early jobs (tests/library/early.py). The other tests run meanwhile; the ones that read a job wait for its result.
+first, while nothing else of ours runs. The first test after them queues the long jobs that time nothing, those
+its session will read: the generated README's commands (readme_commands.py), the own project's story
+(own_project.py), the oldest releases (test_oldest.py) and the benchmark's tiny run (test_benchmarks.py), with
+tests/library's early jobs, in one queue (tests/library/early.py: a few at a time, the longest first). The other
+tests run meanwhile; the ones that read a job wait for its result.
 From then on, the processes the tests start let idle OpenMP threads sleep (`idle_threads_sleep`).
 """
 
 import os
 import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from bakes import bake, fresh_env, torch_pin
+
+sys.path.insert(0, str(Path(__file__).parent / "library"))  # early.py, the one queue of both levels' jobs
+import early  # noqa: E402
 
 # Session fixtures that start a background job, started by the first test that is not a timing one.
 BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run", "oldest_run")
@@ -52,6 +58,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if early.TIMES:  # where a session's time went, and what a slow one waited for
+        terminalreporter.section(f"background jobs (at most {early.SLOTS} at once): seconds queued, seconds run")
+        for name, (queued, ran) in sorted(early.TIMES.items(), key=lambda item: sum(item[1])):
+            terminalreporter.write_line(f"{name:20} {queued:7.0f} {ran:7.0f}")
     if UNEXPECTED_SKIPS:
         terminalreporter.section("skips that fail this session (only a GPU test may skip here)")
         for line in UNEXPECTED_SKIPS:
@@ -75,12 +85,15 @@ def idle_threads_sleep() -> None:
 
 
 @pytest.fixture(scope="session")
-def background(request) -> None:
-    """Start the background jobs that the selected tests read (by fixture name)."""
+def background(request, tmp_path_factory) -> None:
+    """Start the background jobs that the selected tests read (by fixture name): this level's and tests/library's
+    early jobs together, so that early.py takes them all in its order."""
     used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    jobs = {name: job for name, job in early.JOBS.items() if name in used}
     for name in BACKGROUND:
         if name in used:
-            request.getfixturevalue(name)
+            jobs[name] = globals()[f"_{name}"](request)
+    early.start(jobs, tmp_path_factory.mktemp)
 
 
 @pytest.fixture(scope="session")
@@ -111,39 +124,57 @@ def torch_env(venv: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def readme_runs(readme_project, tmp_path_factory) -> Future:
+# The background jobs: each a function of a fresh folder (early.start), whose Future the fixture of its name gives.
+def _readme_runs(request) -> Callable[[Path], dict]:
     """The generated README's commands (readme_commands.run_readme) in a new virtual environment that its own
-    install commands fill, in the background; test_docs.py waits for the result."""
+    install commands fill; test_docs.py waits for the result."""
     from readme_commands import run_readme
 
-    venv, bin_dir = tmp_path_factory.mktemp("venv") / "venv", tmp_path_factory.mktemp("bin")
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(lambda: run_readme(readme_project, torch_env(venv), bin_dir))
+    project = request.getfixturevalue("readme_project")
+
+    def job(folder: Path) -> dict:
+        (folder / "bin").mkdir()
+        return run_readme(project, torch_env(folder / "venv"), folder / "bin")
+
+    return job
 
 
-@pytest.fixture(scope="session")
-def benchmark_run(tmp_path_factory) -> Future:
-    """The benchmark's tiny run (test_benchmarks.run_benchmark) in the background; its tests wait for the report."""
+def _benchmark_run(request) -> Callable[[Path], tuple]:
+    """The benchmark's tiny run (test_benchmarks.run_benchmark); its tests wait for the report."""
     from test_benchmarks import run_benchmark
 
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(run_benchmark, tmp_path_factory.mktemp("bench") / "report.json")
+    return lambda folder: run_benchmark(folder / "report.json")
 
 
-@pytest.fixture(scope="session")
-def oldest_run(tmp_path_factory) -> Future:
-    """The oldest supported releases under a default bake (test_oldest.oldest_story), in the background."""
+def _oldest_run(request) -> Callable[[Path], dict]:
+    """The oldest supported releases under a default bake (test_oldest.oldest_story)."""
     from test_oldest import oldest_story
 
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(oldest_story, tmp_path_factory.mktemp("oldest"))
+    return oldest_story
+
+
+def _own_project_story(request) -> Callable[[Path], dict]:
+    """The user's-project story (tests/own_project.py); its tests wait for the record."""
+    from own_project import story
+
+    return story
 
 
 @pytest.fixture(scope="session")
-def own_project_story(tmp_path_factory) -> Future:
-    """The user's-project story (tests/own_project.py) in the background; its tests wait for the record."""
-    from own_project import story
+def readme_runs() -> Future:
+    return early.future("readme_runs")
 
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(story, tmp_path_factory.mktemp("own"))
+
+@pytest.fixture(scope="session")
+def benchmark_run() -> Future:
+    return early.future("benchmark_run")
+
+
+@pytest.fixture(scope="session")
+def oldest_run() -> Future:
+    return early.future("oldest_run")
+
+
+@pytest.fixture(scope="session")
+def own_project_story() -> Future:
+    return early.future("own_project_story")

@@ -23,7 +23,7 @@ from own_project import (
 
 @pytest.fixture(scope="module")
 def own_project(own_project_story) -> dict:
-    return own_project_story.result(timeout=2400)
+    return own_project_story.result(timeout=3600)  # queued, then bounded by its own timeouts
 
 
 def test_update_keeps_the_users_files_and_brings_the_new_library(own_project):

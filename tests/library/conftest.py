@@ -21,11 +21,9 @@ def _early_after_timing(request):
 
 @pytest.fixture(scope="session")
 def early_runs(request, tmp_path_factory):
-    """Start the early jobs (early.py) that the selected tests use (by a fixture of the job's name); at the end of
-    the session wait for them."""
+    """Start the early jobs (early.py) that the selected tests use (by a fixture of the job's name), those that the
+    top level's `background` has not started already; at the end of the session wait for them."""
     used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    names = [name for name in early.JOBS if name in used]
-    pool = early.start(names, lambda name: tmp_path_factory.mktemp(name))
+    early.start({name: job for name, job in early.JOBS.items() if name in used}, tmp_path_factory.mktemp)
     yield
-    if pool is not None:
-        pool.shutdown(wait=True)
+    early.quiet()

@@ -1,19 +1,50 @@
-"""Runs that time nothing (faults, the preflight) start together with the first test that times nothing, so that
-their waits (a hung rank's timeout, sleeping steps) overlap with other tests' start-ups. The tests whose timings
-are asserted (marked `timing`: the doctor's, the gap's) run before that, alone (tests/conftest.py); their runs
-still wait for any early job that is running (`quiet`), so that nothing of ours competes with them for the cores.
+"""Jobs that time nothing (faults, the preflight, the family sessions; at the top level the README's commands, the
+own project's story, the oldest releases, the benchmark) start together with the first test that times nothing, so
+that their waits (a hung rank's timeout, sleeping steps, pip) overlap with other tests. The tests whose timings are
+asserted (marked `timing`: the doctor's, the gap's) run before that, alone (tests/conftest.py); their runs still
+wait for any job that is running (`quiet`), so that nothing of ours competes with them for the cores.
+
+At most SLOTS jobs run at once, taken in ORDER: each job starts processes of its own (ranks, pytest sessions, pip),
+and with all thirteen at once on 2 cores (load 30 and more) runs that take 10 s alone timed out at 120 s and 300 s
+(CI of 2026-12-03, docs/measurements.md). A job's own timeouts count from when it starts, not from when it queued.
 
 A test module registers a job with `@early("name")` (a function of a fresh folder) and a fixture of the same
 name that returns `result("name")`; conftest.py starts the jobs whose fixture a selected test uses.
 """
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+SLOTS = 4
+# The longest first (the README's 4 chains of commands, the 3 family sessions, the two stories that install
+# environments), so that none of them is left to run alone at the end; then in the order the tests read them.
+ORDER = [
+    "readme_runs",
+    "family_sessions",
+    "own_project_story",
+    "oldest_run",
+    "batchnorm_cli_runs",
+    "cluster_jobs",
+    "faults",
+    "preflight",
+    "trackers",
+    "tune_ddp",
+    "tune_workers",
+    "tune_metric",
+    "benchmark_run",
+]
+
 JOBS: dict[str, Callable[[Path], Any]] = {}
+TIMES: dict[str, tuple[float, float]] = {}  # name: (seconds queued, seconds run), once it has ended
 _started: dict[str, Future] = {}
+_pool = ThreadPoolExecutor(len(ORDER) + 8, thread_name_prefix="early")
+_turn = threading.Condition()
+_queued: list[str] = []
+_running: set[str] = set()
 
 
 def early(name: str) -> Callable:
@@ -26,14 +57,38 @@ def early(name: str) -> Callable:
     return register
 
 
-def start(names: list[str], folder: Callable[[str], Path]) -> ThreadPoolExecutor | None:
-    """Start the jobs `names` at once, each in a thread, each given `folder(name)`."""
-    if not names:
-        return None
-    pool = ThreadPoolExecutor(len(names), thread_name_prefix="early")
+def start(jobs: dict[str, Callable[[Path], Any]], folder: Callable[[str], Path]) -> None:
+    """Queue the jobs {name: function of a fresh folder} not yet started, each given `folder(name)`."""
+    names = sorted((n for n in jobs if n not in _started), key=_rank)
+    with _turn:
+        _queued.extend(names)
     for name in names:
-        _started[name] = pool.submit(JOBS[name], folder(name))
-    return pool
+        _started[name] = _pool.submit(_in_turn, name, jobs[name], folder(name))
+
+
+def _rank(name: str) -> int:
+    return ORDER.index(name) if name in ORDER else len(ORDER)
+
+
+def _in_turn(name: str, job: Callable[[Path], Any], folder: Path) -> Any:
+    queued = time.monotonic()
+    with _turn:
+        _turn.wait_for(lambda: len(_running) < SLOTS and min(_queued, key=_rank) == name)
+        _queued.remove(name)
+        _running.add(name)
+        _turn.notify_all()  # a free slot may let the next one start too
+    began = time.monotonic()
+    try:
+        return job(folder)
+    finally:
+        with _turn:
+            _running.remove(name)
+            TIMES[name] = (began - queued, time.monotonic() - began)
+            _turn.notify_all()
+
+
+def future(name: str) -> Future:
+    return _started[name]
 
 
 def result(name: str) -> Any:
