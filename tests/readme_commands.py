@@ -30,6 +30,7 @@ appears): `CHAINS` says which command runs in which, and why.
 import re
 import shlex
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -368,7 +369,9 @@ def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
         env["PATH"] = f"{bin_dir}:{env['PATH']}"
     start = time.monotonic()
     result = run(["bash", "-c", ran], project, getattr(check, "timeout", 300), env)
-    print(f"{time.monotonic() - start:6.1f} s  $ {ran}", flush=True)  # shown with -s: the commands' run times
+    # Shown with -s: the commands' run times. To the process's own stdout, not sys.stdout: this runs in a thread
+    # beside other tests, and a test's capsys would catch the line as that test's output.
+    print(f"{time.monotonic() - start:6.1f} s  $ {ran}", file=sys.__stdout__, flush=True)
     done = {command: (ran, result.returncode, result.stdout)}
     if isinstance(check, NeedsGPU):
         parsed = run(["bash", "-c", f"{command} --print_config"], project, 120, env)
