@@ -22,28 +22,29 @@ from typing import Any
 SLOTS = 4
 # In this order when slots are short: first the README's commands (4 chains of commands, the longest job), then the
 # short ones that the first library tests read (a test waiting for its job holds up every test after it), then the
-# long ones (the family sessions, the two stories that build environments), then the rest.
+# long ones (the family sessions, the two stories that build environments), then the rest. Every job takes a slot,
+# those that mostly wait too (the fault scenarios, the tune workers): a trial or a scenario still starts
+# interpreters, and the tune workers' study timed out at 300 s beside 4 others (CI of 2026-12-04).
 ORDER = [
     "readme_runs",
     "batchnorm_cli_runs",
     "cluster_jobs",
+    "faults",
     "preflight",
     "trackers",
     "family_sessions",
     "oldest_run",
     "own_project_story",
     "tune_ddp",
+    "tune_workers",
+    "tune_metric",
     "benchmark_run",
 ]
-# Jobs that mostly wait (hung ranks' timeouts, steps that sleep) start at once, without a slot: they keep few cores
-# busy, and overlapping their waits with the others' work is the point of starting early (CI of 2026-12-04: faults
-# 325 s run, tune_workers 125 s, tune_metric 40 s).
-WAITING = {"faults", "tune_workers", "tune_metric"}
 
 JOBS: dict[str, Callable[[Path], Any]] = {}
 TIMES: dict[str, tuple[float, float]] = {}  # name: (seconds queued, seconds run), once it has ended
 _started: dict[str, Future] = {}
-_pool = ThreadPoolExecutor(len(ORDER) + len(WAITING) + 8, thread_name_prefix="early")
+_pool = ThreadPoolExecutor(len(ORDER) + 8, thread_name_prefix="early")
 _turn = threading.Condition()
 _queued: list[str] = []
 _running: set[str] = set()
@@ -69,23 +70,22 @@ def start(jobs: dict[str, Callable[[Path], Any]], folder: Callable[[str], Path])
 
 
 def _rank(name: str) -> int:
-    return -1 if name in WAITING else ORDER.index(name) if name in ORDER else len(ORDER)
+    return ORDER.index(name) if name in ORDER else len(ORDER)
 
 
 def _in_turn(name: str, job: Callable[[Path], Any], folder: Path) -> Any:
     queued = time.monotonic()
     with _turn:
-        _turn.wait_for(lambda: name in WAITING or (len(_running) < SLOTS and min(_queued, key=_rank) == name))
+        _turn.wait_for(lambda: len(_running) < SLOTS and min(_queued, key=_rank) == name)
         _queued.remove(name)
-        if name not in WAITING:
-            _running.add(name)
+        _running.add(name)
         _turn.notify_all()  # a free slot may let the next one start too
     began = time.monotonic()
     try:
         return job(folder)
     finally:
         with _turn:
-            _running.discard(name)
+            _running.remove(name)
             TIMES[name] = (began - queued, time.monotonic() - began)
             _turn.notify_all()
 
