@@ -3,11 +3,13 @@ step, workers that share a study and survive a kill, bad input refused before an
 trained again on another device count.
 
 Three jobs start with the session (early.py): most of their time is process start-up and sleeping steps.
-- "tune_ddp": a study on PostgreSQL (a real server, started for it) of 2 trials on 2 CPU processes in float64. A
-  GridSampler gives one trial lr 3 (it diverges: the ThresholdPruner prunes it at its first validation) and one
-  lr 0.003 (complete: the best). Then best.yaml is trained on 1 device.
-- "tune_workers": cluster/tune.sbatch as 2 tasks of a SLURM job array (journal storage), 4 trials of 1 process
-  whose steps sleep; task 0's worker is killed (-9) in its first trial's training, then started again.
+- "tune_ddp": a study (journal storage) of 4 trials on 2 CPU processes in float64. A GridSampler gives two trials
+  lr 3 (they diverge: the ThresholdPruner prunes them at their first validation) and two lr 0.003 (complete), at
+  hidden_dim 16 and 32; each rank prints the values it trains with (value_probe.py). Then best.yaml is trained on
+  1 device. Beside it, a study whose pruner prunes every trial at its first report.
+- "tune_workers": cluster/tune.sbatch as 2 tasks of a SLURM job array on a PostgreSQL study (a real server,
+  started for it), 4 trials of 1 process whose steps sleep; task 0's worker is killed (-9) in its first trial's
+  training, then started again.
 - "tune_metric": a study (the default SQLite storage) whose metric the model never logs.
 """
 
@@ -51,18 +53,26 @@ DDP_FIT = [
         "30",
         "--trainer.logger+=CSVLogger",
         "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",
+        "--trainer.callbacks+=value_probe.ValueProbe",
     ),
 ]
-DDP_SPACE = """
+# val/loss at the first validation (step 4; float64, so the same on every run): lr 0.003 2.25 and 2.28 (chance is
+# ln 10 = 2.30), lr 3 6545 (hidden_dim 32) and 55.3 (16). The pruner's bound of 5 is over 2 x the first, 11 x
+# under the second (2026-12-04).
+GRID = "{model.init_args.lr: [0.003, 3.0], model.init_args.hidden_dim: [16, 32]}"
+DDP_SPACE = f"""
 metric: val/loss
 params:
-  model.init_args.lr: {choices: [0.003, 3.0]}
-  model.init_args.hidden_dim: {choices: [32]}
+  model.init_args.lr: {{choices: [0.003, 3.0]}}
+  model.init_args.hidden_dim: {{choices: [16, 32]}}
 sampler:
   class_path: optuna.samplers.GridSampler
-  init_args: {search_space: {model.init_args.lr: [0.003, 3.0], model.init_args.hidden_dim: [32]}, seed: 0}
-pruner: {class_path: optuna.pruners.ThresholdPruner, init_args: {upper: 100.0}}
+  init_args: {{search_space: {GRID}, seed: 0}}
+pruner: {{class_path: optuna.pruners.ThresholdPruner, init_args: {{upper: 5.0}}}}
 """
+# Every val/loss is over 0: this pruner prunes each trial at its first report.
+ALL_PRUNED_SPACE = DDP_SPACE.replace("upper: 5.0", "upper: 0.0")
+DDP_JOURNAL = "journal:tune/study.journal"
 # 8 steps of 32 samples that sleep 0.4 s each: 3.2 s of training per trial. A worker is killed as its trial starts
 # training: the trial's rank 0 notices within a second (it watches the worker), long before its validation, where
 # it would also find the worker's pipe closed.
@@ -119,14 +129,18 @@ def last_ckpt(run: Path) -> dict:
 @early.early("tune_ddp")
 def _tune_ddp(base: Path) -> dict:
     """The study's worker (output, exit status, its processes left after it ended), the trials as the study holds
-    them, and best.yaml trained on 1 device."""
+    them, and best.yaml trained on 1 device; the same of the study whose every trial is pruned (key "pruned")."""
     (base / "space.yaml").write_text(DDP_SPACE)
+    (base / "pruned").mkdir()
+    (base / "pruned" / "space.yaml").write_text(ALL_PRUNED_SPACE)
     env = {"OMP_NUM_THREADS": "1"}
-    with server() as url:
-        cmd = [*TUNE, "--space", "space.yaml", "--trials", "2", "--devices", "2", "--storage", url, "--", *DDP_FIT]
-        done = finish(start(cmd, base, env), TIMEOUT)
-        left = processes_in(base)
-        trials = load(url, "space").get_trials()
+    cmd = [*TUNE, "--space", "space.yaml", "--devices", "2", "--storage", DDP_JOURNAL]
+    studies = (("4", base), ("2", base / "pruned"))  # started together: most of a trial is start-up
+    procs = [start([*cmd, "--trials", n, "--", *DDP_FIT], folder, env) for n, folder in studies]
+    (done, pruned_done) = (finish(proc, TIMEOUT) for proc in procs)
+    left = processes_in(base) + processes_in(base / "pruned")
+    trials = load(DDP_JOURNAL.replace("journal:", f"journal:{base}/"), "space").get_trials()
+    pruned = load(DDP_JOURNAL.replace("journal:", f"journal:{base}/pruned/"), "space").get_trials()
     one = base / "one"
     args = [
         "fit",
@@ -139,7 +153,15 @@ def _tune_ddp(base: Path) -> dict:
         "one",
     ]
     toy_ok(*args, cwd=base, timeout=TIMEOUT, env=env)
-    return {"base": base, "code": done.returncode, "out": done.stdout, "left": left, "trials": trials, "one": one}
+    return {
+        "base": base,
+        "code": done.returncode,
+        "out": done.stdout,
+        "left": left,
+        "trials": trials,
+        "one": one,
+        "pruned": {"code": pruned_done.returncode, "out": pruned_done.stdout, "trials": pruned},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -147,21 +169,38 @@ def tune_ddp() -> dict:
     return early.result("tune_ddp")
 
 
-def by_lr(trials: list, lr: float):
-    (trial,) = [t for t in trials if t.params["model.init_args.lr"] == lr]
-    return trial
+def by_lr(trials: list, lr: float) -> list:
+    return [t for t in trials if t.params["model.init_args.lr"] == lr]
+
+
+def values(trial) -> tuple[float, int]:
+    return trial.params["model.init_args.lr"], trial.params["model.init_args.hidden_dim"]
+
+
+def test_study_holds_4_finished_trials_none_failed_or_running(tune_ddp):
+    """--trials 4 on 2 devices: the grid's 4 values, each once; 2 complete, 2 pruned, nothing failed or running."""
+    assert tune_ddp["code"] == 0, tune_ddp["out"][-4000:]
+    trials = tune_ddp["trials"]
+    assert sorted(values(t) for t in trials) == [(0.003, 16), (0.003, 32), (3.0, 16), (3.0, 32)]
+    assert sorted(t.state.name for t in trials) == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
+    assert (tune_ddp["base"] / "tune" / "study.journal").is_file()
 
 
 def test_each_rank_trains_the_trials_values(tune_ddp):
-    """The values the study chose are the run's (its saved config, its weights' shapes), and both ranks end at one
-    step: a rank that parsed other values would build another model, and DDP would fail on it."""
+    """Every rank of every trial trains with the values the study chose, as the model and its optimizer hold them
+    (value_probe.py); the run's saved config and its weights' shapes agree, and both ranks end at one step. A rank
+    that drew its own lr would train on silently (the shapes match); its probe line would show it."""
     assert tune_ddp["code"] == 0, tune_ddp["out"][-4000:]
     for trial in tune_ddp["trials"]:
+        lr, width = values(trial)
+        log = trial_log(tune_ddp["base"], trial.number)
+        probes = re.findall(r"VALUE_PROBE global=(\d) lr=(\S+) hidden_dim=(\d+)", log)
+        assert sorted(probes) == [(str(r), repr(lr), str(width)) for r in (0, 1)], (trial.number, probes)
         run = tune_ddp["base"] / "tune" / f"trial_{trial.number:04d}" / "lightning_logs" / "version_0"
         saved = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]
-        assert (saved["lr"], saved["hidden_dim"]) == (trial.params["model.init_args.lr"], 32)
-        assert last_ckpt(run.parent.parent)["state_dict"]["net.0.weight"].shape == (32, 64)
-        ends = re.findall(r"RANK_PROBE_END global=(\d) step=(\d+)", trial_log(tune_ddp["base"], trial.number))
+        assert (saved["lr"], saved["hidden_dim"]) == (lr, width)
+        assert last_ckpt(run.parent.parent)["state_dict"]["net.0.weight"].shape == (width, 64)
+        ends = re.findall(r"RANK_PROBE_END global=(\d) step=(\d+)", log)
         assert sorted(ends) == [("0", ends[0][1]), ("1", ends[0][1])], ends
 
 
@@ -170,26 +209,41 @@ def test_pruned_trial_stops_every_rank_after_the_same_step_and_exits_cleanly(tun
     (the decision broadcast from rank 0), the fit ends as a finished one (exit 0, last.ckpt at step 4), no rank
     reports a hang or an error, and the trial is PRUNED; lr 0.003 completes with its last validation's value."""
     assert tune_ddp["code"] == 0, tune_ddp["out"][-4000:]
-    pruned, complete = by_lr(tune_ddp["trials"], 3.0), by_lr(tune_ddp["trials"], 0.003)
-    assert pruned.state == TrialState.PRUNED and list(pruned.intermediate_values) == [4]
-    assert pruned.intermediate_values[4] > 100.0
-    log = trial_log(tune_ddp["base"], pruned.number)
+    for pruned in by_lr(tune_ddp["trials"], 3.0):
+        assert_pruned_at_first_validation(tune_ddp["base"], pruned, tune_ddp["out"])
+        assert pruned.intermediate_values[4] > 5.0
+    for complete in by_lr(tune_ddp["trials"], 0.003):
+        assert complete.state == TrialState.COMPLETE and list(complete.intermediate_values) == [4, 8]
+        assert complete.value == complete.intermediate_values[8]
+    assert tune_ddp["left"] == [], "processes left behind by the studies"
+
+
+def assert_pruned_at_first_validation(base: Path, trial, out: str) -> None:
+    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [4]
+    log = trial_log(base, trial.number)
     stops = sorted(line for line in log.splitlines() if "stopping after step" in line)
     assert stops == [f"rank {r}: pruned: stopping after step 4" for r in (0, 1)], log[-3000:]
     assert sorted(re.findall(r"RANK_PROBE_END global=(\d) step=(\d+)", log)) == [("0", "4"), ("1", "4")]
     assert "error" not in log.lower() and "Traceback" not in log and "hang" not in log.lower(), log[-3000:]
-    assert last_ckpt(tune_ddp["base"] / "tune" / f"trial_{pruned.number:04d}")["global_step"] == 4
-    assert complete.state == TrialState.COMPLETE and list(complete.intermediate_values) == [4, 8]
-    assert complete.value == complete.intermediate_values[8]
-    assert f"trial {pruned.number}: PRUNED at step 4, val/loss " in tune_ddp["out"]
-    assert tune_ddp["left"] == [], "processes left behind by the study"
+    assert last_ckpt(base / "tune" / f"trial_{trial.number:04d}")["global_step"] == 4
+    assert f"trial {trial.number}: PRUNED at step 4, val/loss " in out
+
+
+def test_a_pruner_that_prunes_every_first_report_ends_every_trial_pruned(tune_ddp):
+    """Pruned at the first validation, both trials end PRUNED with both ranks stopped after step 4, the command
+    returns 0 with the study's 2 trials finished, and no process of the study is left (checked above)."""
+    pruned = tune_ddp["pruned"]
+    assert pruned["code"] == 0, pruned["out"][-4000:]
+    assert len(pruned["trials"]) == 2
+    for trial in pruned["trials"]:
+        assert_pruned_at_first_validation(tune_ddp["base"] / "pruned", trial, pruned["out"])
 
 
 def test_best_values_train_on_1_device_what_the_trial_trained_on_2(tune_ddp):
     """best.yaml over the toy's config, with the trials' fit args, on 1 device in float64: the same weights and the
     same logged values (metrics.csv, at full precision) as the best trial on 2 devices, within the parity suite's
     float64 bound. The values found on 2 devices mean the same on 1 (the batch is global)."""
-    best = by_lr(tune_ddp["trials"], 0.003)
+    best = min(by_lr(tune_ddp["trials"], 0.003), key=lambda t: t.value)
     two = tune_ddp["base"] / "tune" / f"trial_{best.number:04d}"
     bound = BOUNDS["cpu", "64-true"]
     weights = weight_diffs(last_ckpt(two)["state_dict"], last_ckpt(tune_ddp["one"])["state_dict"])
@@ -202,12 +256,12 @@ def test_best_values_train_on_1_device_what_the_trial_trained_on_2(tune_ddp):
 def test_study_writes_its_table_the_best_values_and_plots(tune_ddp):
     """trials.md has a row per trial (the best marked); best.yaml nests the best values as the config does and says
     how to train them; history.png is drawn."""
-    base, best = tune_ddp["base"], by_lr(tune_ddp["trials"], 0.003)
+    base, best = tune_ddp["base"], min(by_lr(tune_ddp["trials"], 0.003), key=lambda t: t.value)
     rows = [line for line in (base / "tune" / "trials.md").read_text().splitlines() if line.startswith("| ")][1:]
-    assert sorted(row.split(" | ")[1] for row in rows) == ["COMPLETE", "PRUNED"], rows
+    assert sorted(row.split(" | ")[1] for row in rows) == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"], rows
     assert [row for row in rows if row.startswith(f"| {best.number} (best) | COMPLETE | ")], rows
     text = (base / "tune" / "best.yaml").read_text()
-    assert yaml.safe_load(text) == {"model": {"init_args": {"lr": 0.003, "hidden_dim": 32}}}
+    assert yaml.safe_load(text) == {"model": {"init_args": {"lr": 0.003, "hidden_dim": values(best)[1]}}}
     assert "\n# python main.py fit --config config.yaml --config tune/best.yaml --trainer.accelerator cpu " in text
     assert (base / "tune" / "history.png").stat().st_size > 0
 
@@ -223,17 +277,19 @@ def test_ckpt_path_last_skips_the_trials_runs(tune_ddp):
     assert newest_last_checkpoint(base) == next((base / "one").rglob("last.ckpt"))
 
 
-# ---- workers of a SLURM array on one study (journal storage), one of them killed -------------------------------
+# ---- workers of a SLURM array on one PostgreSQL study, one of them killed ---------------------------------------
 ARRAY_JOB = 7000
 JOURNAL = "journal:tune/study.journal"  # cluster/tune.sbatch's storage, relative to the project
 
 
-def array_task(base: Path, task: int, name: str):
-    """cluster/tune.sbatch as task `task` of a 2-task array (its output in base/<name>.out)."""
+def array_task(base: Path, task: int, name: str, storage: str):
+    """cluster/tune.sbatch as task `task` of a 2-task array on `storage` (its output in base/<name>.out)."""
     cmd = [
         "bash",
         str(SCRIPT),
         *TUNE[3:],
+        "--storage",  # after the script's journal: the user's options win
+        storage,
         "--space",
         "space.yaml",
         "--trials",
@@ -259,10 +315,16 @@ def worker_pid(proc) -> int:
 
 @early.early("tune_workers")
 def _tune_workers(base: Path) -> dict:
-    """Task 0 and task 1 together; task 0's worker killed (-9) once its first trial trains, the processes that
-    trial left right after the kill (and 15 s later), then task 0 started again; every worker's output."""
+    """Task 0 and task 1 together on a PostgreSQL server started for them; task 0's worker killed (-9) once its
+    first trial trains, the processes that trial left right after the kill (and 15 s later), then task 0 started
+    again; every worker's output."""
     (base / "space.yaml").write_text(WORKERS_SPACE)
-    first, other = array_task(base, 0, "task0"), array_task(base, 1, "task1")
+    with server() as url:
+        return _kill_a_worker(base, url)
+
+
+def _kill_a_worker(base: Path, url: str) -> dict:
+    first, other = array_task(base, 0, "task0", url), array_task(base, 1, "task1", url)
     procs = [first, other]
 
     def training() -> list[tuple[int, str]]:
@@ -281,7 +343,7 @@ def _tune_workers(base: Path) -> dict:
         while processes_in(base, f"trial_{killed:04d}") and time.monotonic() < deadline:
             time.sleep(0.05)
         left = processes_in(base, f"trial_{killed:04d}")
-        again = array_task(base, 0, "task0-again")
+        again = array_task(base, 0, "task0-again", url)
         procs.append(again)
         codes = [finish(p, TIMEOUT).returncode for p in (other, again)]
     finally:
@@ -289,7 +351,7 @@ def _tune_workers(base: Path) -> dict:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     outs = {name: (base / f"{name}.out").read_text() for name in ("task0", "task1", "task0-again")}
-    trials = load(JOURNAL.replace("journal:", f"journal:{base}/"), "space").get_trials()
+    trials = load(url, "space").get_trials()
     return {
         "base": base,
         "pid": pid,
@@ -328,15 +390,16 @@ def test_killed_worker_leaves_no_process_and_its_trial_runs_again(tune_workers):
 
 
 def test_workers_share_the_study_and_never_run_a_trial_twice(tune_workers):
-    """Each trial number was run by one worker only (one run in its folder); both tasks ran trials, through the
-    array script's one journal; each worker ended saying the study has 4 finished trials."""
+    """Each trial number was run by one worker only (one run in its folder); both tasks ran trials, on the
+    PostgreSQL study (--storage after the script wins: no journal file); each worker ended saying the study has 4
+    finished trials."""
     w = tune_workers
     ran = {name: [int(n) for n, _ in STARTED.findall(out)] for name, out in w["outs"].items()}
     numbers = [n for runs in ran.values() for n in runs]
     assert len(numbers) == len(set(numbers)) and ran["task0"] and ran["task1"], ran
     for n in numbers:
         assert [p.name for p in (w["base"] / "tune" / f"trial_{n:04d}" / "lightning_logs").iterdir()] == ["version_0"]
-    assert (w["base"] / "tune" / "study.journal").is_file()
+    assert not (w["base"] / "tune" / "study.journal").exists()
     for name in ("task1", "task0-again"):
         assert "study 'space': 4/4 finished" in w["outs"][name], w["outs"][name][-3000:]
 
@@ -492,6 +555,34 @@ def test_two_workers_asking_for_the_last_trial_run_one(tmp_path):
     study = optuna.create_study(storage=open_storage(None, tmp_path), study_name="s")
     first, second = study.ask(), study.ask()
     assert not surplus(study, first, 1) and surplus(study, second, 1)
+
+
+# Each waits for the same moment, then opens the storage: workers of an array start within milliseconds.
+RACE = """
+import sys, time
+from pathlib import Path
+from ddpkit.study import open_storage
+while time.time() < float(sys.argv[2]):
+    pass
+open_storage(sys.argv[1], Path("."))
+print("opened")
+"""
+
+
+def test_workers_starting_together_on_a_new_postgresql_database_all_open_it(tmp_path):
+    """4 workers open one new PostgreSQL database at the same moment: each opens it (without the retry in
+    study._rdb_storage 12 of 20 such workers failed on Optuna's table creation, a duplicate key or table)."""
+    import psycopg
+
+    with server() as url:
+        with psycopg.connect(url, autocommit=True) as connection:
+            connection.execute("CREATE DATABASE race")
+        fresh, moment = url.rsplit("/", 1)[0] + "/race", str(time.time() + 3)
+        procs = [start([sys.executable, "-c", RACE, fresh, moment], tmp_path) for _ in range(4)]
+        done = [finish(proc, 60) for proc in procs]
+    assert [(d.returncode, d.stdout.strip().splitlines()[-1:]) for d in done] == [(0, ["opened"])] * 4, [
+        d.stdout[-1000:] for d in done
+    ]
 
 
 def test_a_study_started_with_another_space_is_refused(tmp_path):

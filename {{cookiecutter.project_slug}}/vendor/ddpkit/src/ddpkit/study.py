@@ -5,6 +5,7 @@ a trial attribute, so a journal file (SLURM arrays) gets it too.
 """
 
 import os
+import random
 import socket
 import sys
 import threading
@@ -80,10 +81,26 @@ def open_storage(url: str | None, out: Path) -> Any:
         # another worker's write lock instead of failing at once.
         connect = {"connect_timeout": 10} if url.startswith("postgresql") else {"timeout": 60}
         kwargs = {"connect_args": connect} if url.startswith(("postgresql", "sqlite")) else {}
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        return _rdb_storage(url, kwargs)
     except Exception as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise BadInput(f"--storage {shown_url(url)}: cannot open it: {first}") from None
+
+
+def _rdb_storage(url: str, engine_kwargs: dict, tries: int = 5) -> Any:
+    """Optuna's RDBStorage, retried when workers that start together race to create its tables in a new database:
+    on PostgreSQL the losers failed with a duplicate key or table (12 of 20 workers, 4 started at once on each of 5
+    new databases, 2026-12-04), and find the tables made on their next try."""
+    import optuna
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for attempt in range(tries):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        except (IntegrityError, ProgrammingError):
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.2 + random.random())  # apart, so that two losers do not race again
 
 
 def open_study(storage: Any, name: str, space: Space, metric: str, direction: str) -> Any:
