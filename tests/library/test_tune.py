@@ -327,10 +327,12 @@ def _kill_a_worker(base: Path, url: str) -> dict:
     first, other = array_task(base, 0, "task0", url), array_task(base, 1, "task1", url)
     procs = [first, other]
 
-    def training() -> list[tuple[int, str]]:
-        """Task 0's trials whose rank 0 trains: (number, log)."""
+    def training() -> list[tuple[int, Path]]:
+        """Task 0's trials whose rank 0 trains: (number, log). The worker names a trial's log before the trial
+        creates it (a missing log failed this job on a loaded CI machine)."""
         started = STARTED.findall((base / "task0.out").read_text())
-        return [(int(n), log) for n, log in started if "RANK_PROBE global=0" in (base / log).read_text()]
+        logs = [(int(n), base / log) for n, log in started]
+        return [(n, log) for n, log in logs if log.exists() and "RANK_PROBE global=0" in log.read_text()]
 
     try:
         wait_for(lambda: training() or first.poll() is not None, "task 0's first trial to train")
@@ -521,14 +523,6 @@ def test_values_reach_the_fit_unchanged(value):
     text '1e-05', the text '64' the number 64."""
     read = yaml.safe_load(tune.argument(value))
     assert read == value and type(read) is type(value)
-
-
-def test_trials_do_not_see_slurm(monkeypatch):
-    """A worker in an array task keeps SLURM's variables from its trials (Lightning would take ranks from srun)."""
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    env = tune.trial_env(X="1")
-    assert not [k for k in env if k.startswith("SLURM_")] and env["X"] == "1" and env["PATH"] == os.environ["PATH"]
 
 
 def test_stale_trial_is_failed_once_and_its_values_enqueued(tmp_path):
