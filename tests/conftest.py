@@ -8,12 +8,19 @@ its session will read: the generated README's commands (readme_commands.py), the
 tests/library's early jobs, in one queue (tests/library/early.py: a few at a time, the longest first). The other
 tests run meanwhile; the ones that read a job wait for its result.
 From then on, the processes the tests start let idle OpenMP threads sleep (`idle_threads_sleep`).
+
+Tests marked `environ` (tests/library/test_environment.py: units whose input is a variable they set in this process)
+run after the timing tests and before the jobs start: a job's processes inherit this process's environment
+whenever they start, so a variable set by a test meanwhile reaches them (a BERT's session, started while
+test_model_families.py had PARITY_ARGS set, ran that module's ResNet: CI of 2026-12-04). Once jobs have started,
+setting or removing a variable here fails (`_no_environment_changes_under_jobs`).
 """
 
+import inspect
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -27,12 +34,49 @@ import early  # noqa: E402
 BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run", "oldest_run")
 
 
+MAIN_PID = os.getpid()
+TESTS = Path(__file__).resolve().parent
+# Where os.environ's methods and monkeypatch's setenv run, as the hook below sees their frames.
+ENVIRON_CODE = {
+    f.__code__.co_filename for f in (type(os.environ).__setitem__, MutableMapping.setdefault, pytest.MonkeyPatch.setenv)
+}
+# No test reaches a dataset or model hub (this machine has no network): every job's runs inherit it from the start.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "timing: asserts durations; runs first, before any background job starts")
+    config.addinivalue_line("markers", "environ: sets environment variables; runs before any background job starts")
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.get_closest_marker("timing") is None)  # stable: timing tests first
+    # stable: timing tests first, then those that set variables, then the rest (with the jobs)
+    items.sort(key=lambda item: (item.get_closest_marker("timing") is None, item.get_closest_marker("environ") is None))
+
+
+def before_jobs(node) -> bool:
+    """Whether the tests of `node` run before the background jobs start (timing or environ tests)."""
+    return any(node.get_closest_marker(name) is not None for name in ("timing", "environ"))
+
+
+def _no_environment_changes_under_jobs(event: str, args: tuple) -> None:
+    """Audit hook: a variable that a test (code under tests/) sets or removes in this process once the jobs have
+    started fails the test. os.environ's writes go through os.putenv and os.unsetenv, which raise these events.
+    Writes by the libraries a test calls (Lightning's PL_GLOBAL_SEED, pytest's PYTEST_CURRENT_TEST, ddpkit.cli's
+    TQDM_MINITERS) are theirs, the same in every process that runs that code, and pass."""
+    if event not in ("os.putenv", "os.unsetenv") or not early.started() or os.getpid() != MAIN_PID:
+        return
+    frame = inspect.currentframe().f_back
+    while frame is not None and frame.f_code.co_filename in ENVIRON_CODE:
+        frame = frame.f_back  # os.environ's methods, and monkeypatch's setenv on behalf of its caller
+    if frame is not None and Path(frame.f_code.co_filename).is_relative_to(TESTS):
+        raise RuntimeError(
+            f"{os.fsdecode(args[0])} set or removed by a test while background jobs run: their processes would "
+            "inherit it. Mark the test `environ` (tests/library/test_environment.py) or give its process an env."
+        )
+
+
+sys.addaudithook(_no_environment_changes_under_jobs)
 
 
 # Skips other than a GPU test's, which fail the session: here every optional library is installed (requirements.txt)
@@ -70,7 +114,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="module", autouse=True)
 def _background_after_timing(request):
-    if request.node.get_closest_marker("timing") is None:
+    if not before_jobs(request.node):
         request.getfixturevalue("idle_threads_sleep")
         request.getfixturevalue("background")
 

@@ -14,8 +14,8 @@ def pytest_configure(config):
 @pytest.fixture(scope="module", autouse=True)
 def _early_after_timing(request):
     """The early jobs start with the first module that times nothing (before its module fixtures, which may read
-    them): the timing tests run before it, alone (tests/conftest.py)."""
-    if request.node.get_closest_marker("timing") is None:
+    them): the timing tests run before it, alone, then the environ ones (tests/conftest.py)."""
+    if not any(request.node.get_closest_marker(name) for name in ("timing", "environ")):
         request.getfixturevalue("early_runs")
 
 

@@ -90,6 +90,11 @@ def _in_turn(name: str, job: Callable[[Path], Any], folder: Path) -> Any:
             _turn.notify_all()
 
 
+def started() -> bool:
+    """Whether any job has been queued: from then on, processes of jobs may start at any moment."""
+    return bool(_started)
+
+
 def future(name: str) -> Future:
     return _started[name]
 

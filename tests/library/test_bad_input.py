@@ -16,7 +16,6 @@ from ddpkit.cli import (
     check_checkpoint,
     check_state_dict_fits,
     iterable_data_warning,
-    match_torchrun,
     newest_last_checkpoint,
     plain_datamodule_warning,
     resolve_ckpt_path,
@@ -285,42 +284,6 @@ def test_ckpt_path_auto_resumes_the_furthest_checkpoint_or_starts(tmp_path, caps
     assert resolve_ckpt_path(config, "fit") is None and config["ckpt_path"] == str(hpc)  # SLURM's job id keeps the logs
     with pytest.raises(BadInput, match="--ckpt_path auto is for fit"):
         resolve_ckpt_path({"ckpt_path": "auto", "trainer": {"default_root_dir": str(tmp_path)}}, "validate")
-
-
-AUTO = {"devices": "auto", "num_nodes": 1}
-GIVEN = {"devices": "4", "num_nodes": 2}
-
-
-@pytest.mark.parametrize(
-    ("env", "trainer", "expected"),
-    [
-        ({}, {"devices": "auto", "num_nodes": 1}, {"devices": "auto", "num_nodes": 1}),  # not under torchrun
-        ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, AUTO, {"devices": 2, "num_nodes": 1}),
-        ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, AUTO, {"devices": 4, "num_nodes": 2}),
-        ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, GIVEN, GIVEN),  # given and consistent: kept
-    ],
-)
-def test_devices_auto_takes_torchrun_shape(monkeypatch, env, trainer, expected):
-    """Under torchrun (`torchrun --nproc_per_node 2 main.py fit`, no --trainer.devices), devices and num_nodes
-    follow the processes torchrun started; outside torchrun nothing changes."""
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    if env:
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-    trainer = dict(trainer)
-    match_torchrun(trainer)
-    assert trainer == expected
-
-
-def test_a_shape_that_contradicts_torchrun_is_refused(monkeypatch):
-    """torchrun started 2 processes but --trainer.devices 1: one line that says what to set, not Lightning's
-    ValueError traceback from inside every rank."""
-    for key, value in {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-    expected = "torchrun started 2 processes .* set --trainer.devices 2 and --trainer.num_nodes 1"
-    with pytest.raises(BadInput, match=expected):
-        match_torchrun({"devices": "1", "num_nodes": 1})
 
 
 # Switches the toy's data class (ToyData in ddpkit/toy.yaml: global_batch_size 64, train_size 1079) to families.py's

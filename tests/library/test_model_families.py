@@ -6,8 +6,7 @@ suite's fixtures would make (1 and 2 devices in float64, and the rounding refere
 suites: test_suite_on_families.py."""
 
 import inspect
-import os
-import shlex
+import shutil
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,6 +15,7 @@ from families import write_toy_shards
 
 from ddpkit.parity import weight_diffs
 from ddpkit.testing import check_parity
+from ddpkit.testing import runs as suite_runs
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import concurrently, set_project
 from ddpkit.testing.runs import Waves, plan, shared_runs
@@ -70,21 +70,19 @@ def suites(tmp_path_factory) -> dict[str, Suite]:
     once from one fork server of the toy's main.py."""
     base = tmp_path_factory.mktemp("families")
     (base / "main.py").write_text(MAIN)
+    shutil.copy(HERE / "families.py", base)  # beside main.py, as a project's own module
     set_project(base)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PARITY_ARGS")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), saved["PYTHONPATH"]]))  # families.py
     suites = {}
     write_toy_shards(base / "shards")
     models = {**MODELS, "streaming": [*MODELS["streaming"], "--data.shard_dir", str(base / "shards")]}
-    try:
+    with pytest.MonkeyPatch.context() as patch:
         for name, args in models.items():
             configured = describe(*COMMON, *args)
-            os.environ["PARITY_ARGS"] = shlex.join([*COMMON, *args])  # what the suite's commands append
+            # What the suite's commands append (a user's PARITY_ARGS), given to runs.py itself: a variable set in
+            # this process would reach the background jobs' processes too (tests/conftest.py).
+            patch.setattr(suite_runs, "parity_args", lambda args=args: [*COMMON, *args])
             (base / name).mkdir()
             suites[name] = Suite(shared_runs(base / name, plan(configured)), plan(configured), configured)
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.update({name: value})
     concurrently(lambda name: first_wave(suites[name]), suites)  # every first wave at once
     return suites
 

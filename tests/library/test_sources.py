@@ -120,8 +120,8 @@ JSONL_SIZES = [120, 31, 150]
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")  # everything is local: never ask the hub
+def hf(tmp_path_factory):
+    """Three JSONL files read with `datasets` (HF_DATASETS_OFFLINE: tests/conftest.py, everything is local)."""
     datasets = pytest.importorskip("datasets")
     out = tmp_path_factory.mktemp("hf")
     datasets.disable_progress_bars()
@@ -131,12 +131,6 @@ def hf(tmp_path_factory, monkeypatch_module):
         (out / f"part-{k}.jsonl").write_text("\n".join(lines) + "\n")
         first += size
     return datasets, out
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def test_hf_saved_dataset_shards(hf, tmp_path):

@@ -81,9 +81,7 @@ def runs(tmp_path_factory):
     """The four runs: "one" (1 device, 4 micro-batches per step, local .pt shards), "killed" (2 devices, 2 loader
     workers each, SIGKILL at step 19), then "resumed2" and "resumed1" from the killed job's step-18 checkpoint;
     the last three read the mixed shards."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_DATASETS_OFFLINE", "1")  # all local: `datasets` never asks the hub, here or in the runs
-        yield _runs(tmp_path_factory.mktemp("streaming"))
+    return _runs(tmp_path_factory.mktemp("streaming"))  # all local: HF_DATASETS_OFFLINE (tests/conftest.py)
 
 
 def _runs(base: Path) -> dict:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddpkit.cli import main, place_loggers
 from ddpkit.parity import diff, max_abs, over_bound, report
 from ddpkit.parity import main as compare_main
 from ddpkit.requeue import next_hpc_checkpoint
@@ -24,7 +23,6 @@ from ddpkit.testing.check_parity import (
 )
 from ddpkit.testing.configured import switch_off
 from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints
-from jsonargparse import Namespace
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,31 +42,6 @@ def test_max_abs_is_the_largest_difference_of_any_tensor_and_nan_never_passes():
     b = {"w": torch.tensor([0.0, 3e-7], dtype=torch.float64), "b": torch.tensor([1.0 - 1e-6], dtype=torch.float64)}
     assert max_abs(a, b) == pytest.approx(1e-6)
     assert not max_abs(a, b | {"w": torch.tensor([0.0, float("nan")], dtype=torch.float64)}) < 1.0
-
-
-def logger_config(save_dir: str | None, version: int | None = None) -> Namespace:
-    return Namespace(class_path="L", init_args=Namespace(save_dir=save_dir, name="lightning_logs", version=version))
-
-
-def test_loggers_sharing_a_directory_share_the_next_version(tmp_path, monkeypatch):
-    """Two loggers under default_root_dir get the same version (the one after the highest there); a logger
-    elsewhere, or with its own version, keeps what it had."""
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    (tmp_path / "lightning_logs/version_4").mkdir(parents=True)
-    loggers = [logger_config(str(tmp_path)), logger_config(str(tmp_path)), logger_config("elsewhere")]
-    loggers.append(logger_config(str(tmp_path), version=9))
-    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
-    assert [entry.init_args.version for entry in loggers] == [5, 5, None, 9]
-
-
-def test_loggers_take_the_slurm_job_id_as_version(tmp_path, monkeypatch):
-    """Under SLURM every logger without a version logs into version_<job id>, as Lightning's `logger: true` did,
-    so a requeued job (same id) continues its directory."""
-    monkeypatch.setenv("SLURM_JOB_ID", "1234")
-    monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    loggers = [logger_config(str(tmp_path))]
-    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
-    assert loggers[0].init_args.version == 1234
 
 
 # Builds the trainer (run=False) of the library's toy config (ddpkit/toy.yaml) for three ways of naming the strategy;
@@ -104,17 +77,6 @@ def test_dist_timeout_reaches_a_strategy_given_as_a_class_path():
         "TIMEOUT DDPStrategy 45.0 False",
         "TIMEOUT TimedDDPStrategy 20.0 True",
     ]
-
-
-def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(tmp_path, monkeypatch, capsys):
-    """The CLI defaults TQDM_MINITERS to 10 (Lightning's TQDM bar reads it) and keeps a value already set."""
-    monkeypatch.delenv("TQDM_MINITERS", raising=False)
-    monkeypatch.setattr(sys, "argv", ["main.py"])  # not pytest's arguments
-    for expected in ("10", "1"):
-        with pytest.raises(SystemExit):  # --help: the variable is set before anything is parsed
-            main(tmp_path / "no-config.yaml", ["--help"])
-        assert os.environ["TQDM_MINITERS"] == expected
-        monkeypatch.setenv("TQDM_MINITERS", "1")
 
 
 def test_next_hpc_checkpoint_follows_the_highest_number(tmp_path):

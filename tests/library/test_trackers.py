@@ -14,7 +14,6 @@ import yaml
 from jsonargparse import Namespace
 from procs import TOY, finish, kill, start
 
-from ddpkit.cli import place_loggers, requeued_run
 from ddpkit.trackers import RUN_IDS, continue_trackers
 
 pytest.importorskip("mlflow", reason="the trackers extra: pip install 'ddpkit[trackers]'")
@@ -153,28 +152,3 @@ def test_restart_gives_the_saved_ids_only_to_trackers_that_name_no_run(tmp_path)
     continue_trackers(trainer, tmp_path)
     given = [next((v for v in e.init_args.values() if v), None) for e in trainer.logger]
     assert given == [None, "m1", "w1", "mine", None]
-
-
-def test_a_requeued_slurm_job_continues_the_trackers_of_its_job_id_directory(tmp_path, monkeypatch):
-    """A SLURM job requeued with `--ckpt_path auto` resumes its hpc_ckpt_N.ckpt and logs into the directory
-    named after its job id (place_loggers): the tracker ids saved there are handed back; not for another
-    checkpoint, nor outside SLURM."""
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    run = tmp_path / "lightning_logs" / "version_4242"
-    run.mkdir(parents=True)
-    (run / RUN_IDS).write_text(json.dumps({"mlflow": "m1"}))
-
-    entries = [
-        ("lightning.pytorch.loggers.TensorBoardLogger", {"save_dir": str(tmp_path), "name": "lightning_logs"}),
-        ("ddpkit.trackers.MLFlowLogger", {"run_id": None}),
-    ]
-    requeued = Namespace(default_root_dir=str(tmp_path))
-    requeued.logger = [Namespace(class_path=c, init_args=Namespace(**a, version=None)) for c, a in entries]
-    place_loggers(requeued, None)  # the job id as the version
-    assert requeued_run(requeued, str(tmp_path / "hpc_ckpt_2.ckpt")) == run
-    continue_trackers(requeued, run)
-    assert requeued.logger[1].init_args.run_id == "m1"
-    assert requeued_run(requeued, str(run / "checkpoints" / "last.ckpt")) is None
-    monkeypatch.delenv("SLURM_JOB_ID")
-    assert requeued_run(requeued, str(tmp_path / "hpc_ckpt_2.ckpt")) is None

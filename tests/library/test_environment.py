@@ -1,0 +1,155 @@
+"""Units whose input is the process's environment: torchrun's and SLURM's variables, TQDM_MINITERS. Each sets them
+in this process (monkeypatch.setenv), which every process started meanwhile would inherit: a background job's run
+that sees SLURM_JOB_ID or WORLD_SIZE takes its ranks from there (a GroupNorm ResNet's session once ran another
+test's model, from PARITY_ARGS set this way). So this module runs before the background jobs start, after the
+timing tests (tests/conftest.py), and conftest.py fails any other test that sets a variable while jobs run."""
+
+import json
+import os
+import sys
+
+import pytest
+from jsonargparse import Namespace
+
+from ddpkit import tune
+from ddpkit.cli import BadInput, main, match_torchrun, place_loggers, requeued_run
+from ddpkit.trackers import RUN_IDS, continue_trackers
+
+pytestmark = pytest.mark.environ
+
+
+def logger_config(save_dir: str | None, version: int | None = None) -> Namespace:
+    return Namespace(class_path="L", init_args=Namespace(save_dir=save_dir, name="lightning_logs", version=version))
+
+
+# ---- torchrun ---------------------------------------------------------------------------------------------------
+
+
+AUTO = {"devices": "auto", "num_nodes": 1}
+GIVEN = {"devices": "4", "num_nodes": 2}
+
+
+@pytest.mark.parametrize(
+    ("env", "trainer", "expected"),
+    [
+        ({}, {"devices": "auto", "num_nodes": 1}, {"devices": "auto", "num_nodes": 1}),  # not under torchrun
+        ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, AUTO, {"devices": 2, "num_nodes": 1}),
+        ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, AUTO, {"devices": 4, "num_nodes": 2}),
+        ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, GIVEN, GIVEN),  # given and consistent: kept
+    ],
+)
+def test_devices_auto_takes_torchrun_shape(monkeypatch, env, trainer, expected):
+    """Under torchrun (`torchrun --nproc_per_node 2 main.py fit`, no --trainer.devices), devices and num_nodes
+    follow the processes torchrun started; outside torchrun nothing changes."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if env:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+    trainer = dict(trainer)
+    match_torchrun(trainer)
+    assert trainer == expected
+
+
+def test_a_shape_that_contradicts_torchrun_is_refused(monkeypatch):
+    """torchrun started 2 processes but --trainer.devices 1: one line that says what to set, not Lightning's
+    ValueError traceback from inside every rank."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    expected = "torchrun started 2 processes .* set --trainer.devices 2 and --trainer.num_nodes 1"
+    with pytest.raises(BadInput, match=expected):
+        match_torchrun({"devices": "1", "num_nodes": 1})
+
+
+# ---- SLURM and the loggers' directories --------------------------------------------------------------------
+
+
+def test_loggers_sharing_a_directory_share_the_next_version(tmp_path, monkeypatch):
+    """Two loggers under default_root_dir get the same version (the one after the highest there); a logger
+    elsewhere, or with its own version, keeps what it had."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (tmp_path / "lightning_logs/version_4").mkdir(parents=True)
+    loggers = [logger_config(str(tmp_path)), logger_config(str(tmp_path)), logger_config("elsewhere")]
+    loggers.append(logger_config(str(tmp_path), version=9))
+    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
+    assert [entry.init_args.version for entry in loggers] == [5, 5, None, 9]
+
+
+def test_loggers_take_the_slurm_job_id_as_version(tmp_path, monkeypatch):
+    """Under SLURM every logger without a version logs into version_<job id>, as Lightning's `logger: true` did,
+    so a requeued job (same id) continues its directory."""
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    loggers = [logger_config(str(tmp_path))]
+    place_loggers(Namespace(default_root_dir=str(tmp_path), logger=loggers), None)
+    assert loggers[0].init_args.version == 1234
+
+
+def test_a_requeued_slurm_job_continues_the_trackers_of_its_job_id_directory(tmp_path, monkeypatch):
+    """A SLURM job requeued with `--ckpt_path auto` resumes its hpc_ckpt_N.ckpt and logs into the directory
+    named after its job id (place_loggers): the tracker ids saved there are handed back; not for another
+    checkpoint, nor outside SLURM."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    run = tmp_path / "lightning_logs" / "version_4242"
+    run.mkdir(parents=True)
+    (run / RUN_IDS).write_text(json.dumps({"mlflow": "m1"}))
+
+    entries = [
+        ("lightning.pytorch.loggers.TensorBoardLogger", {"save_dir": str(tmp_path), "name": "lightning_logs"}),
+        ("ddpkit.trackers.MLFlowLogger", {"run_id": None}),
+    ]
+    requeued = Namespace(default_root_dir=str(tmp_path))
+    requeued.logger = [Namespace(class_path=c, init_args=Namespace(**a, version=None)) for c, a in entries]
+    place_loggers(requeued, None)  # the job id as the version
+    assert requeued_run(requeued, str(tmp_path / "hpc_ckpt_2.ckpt")) == run
+    continue_trackers(requeued, run)
+    assert requeued.logger[1].init_args.run_id == "m1"
+    assert requeued_run(requeued, str(run / "checkpoints" / "last.ckpt")) is None
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert requeued_run(requeued, str(tmp_path / "hpc_ckpt_2.ckpt")) is None
+
+
+def test_trials_do_not_see_slurm(monkeypatch):
+    """A worker in an array task keeps SLURM's variables from its trials (Lightning would take ranks from srun)."""
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    env = tune.trial_env(X="1")
+    assert not [k for k in env if k.startswith("SLURM_")] and env["X"] == "1" and env["PATH"] == os.environ["PATH"]
+
+
+# ---- TQDM -------------------------------------------------------------------------------------------------------
+
+
+def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(tmp_path, monkeypatch, capsys):
+    """The CLI defaults TQDM_MINITERS to 10 (Lightning's TQDM bar reads it) and keeps a value already set."""
+    monkeypatch.delenv("TQDM_MINITERS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["main.py"])  # not pytest's arguments
+    for expected in ("10", "1"):
+        with pytest.raises(SystemExit):  # --help: the variable is set before anything is parsed
+            main(tmp_path / "no-config.yaml", ["--help"])
+        assert os.environ["TQDM_MINITERS"] == expected
+        monkeypatch.setenv("TQDM_MINITERS", "1")
+
+
+# ---- the guard ----------------------------------------------------------------------------------------------------
+def test_a_variable_set_by_a_test_while_jobs_run_fails(monkeypatch, tmp_path):
+    """Once background jobs have started (faked here: this module runs before them), a test that sets or removes a
+    variable fails, naming it, and os.environ stays as it was; a variable that library code sets (ddpkit.cli's
+    TQDM_MINITERS, as every run of the CLI does) is set."""
+    import early
+
+    monkeypatch.delenv("TQDM_MINITERS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["main.py"])
+    monkeypatch.setattr(early, "started", lambda: True)
+    with pytest.raises(RuntimeError, match="^PARITY_ARGS set or removed by a test while background jobs run"):
+        os.environ["PARITY_ARGS"] = "--model families.ResNet18"
+    assert "PARITY_ARGS" not in os.environ
+    with pytest.raises(RuntimeError, match="^SLURM_JOB_ID set or removed by a test"):
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with pytest.raises(RuntimeError, match="^PATH set or removed by a test"):
+        os.environ.pop("PATH")
+    assert "SLURM_JOB_ID" not in os.environ and os.environ["PATH"]
+    with pytest.raises(SystemExit):
+        main(tmp_path / "no-config.yaml", ["--help"])
+    assert os.environ["TQDM_MINITERS"] == "10"
