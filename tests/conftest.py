@@ -51,12 +51,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     # stable: timing tests first, then those that set variables, then the rest (with the jobs)
-    items.sort(key=lambda item: (item.get_closest_marker("timing") is None, item.get_closest_marker("environ") is None))
-
-
-def before_jobs(node) -> bool:
-    """Whether the tests of `node` run before the background jobs start (timing or environ tests)."""
-    return any(node.get_closest_marker(name) is not None for name in ("timing", "environ"))
+    items.sort(key=lambda item: tuple(item.get_closest_marker(name) is None for name in early.BEFORE_JOBS))
 
 
 def _no_environment_changes_under_jobs(event: str, args: tuple) -> None:
@@ -114,7 +109,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="module", autouse=True)
 def _background_after_timing(request):
-    if not before_jobs(request.node):
+    if not early.before_jobs(request.node):
         request.getfixturevalue("idle_threads_sleep")
         request.getfixturevalue("background")
 

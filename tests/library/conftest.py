@@ -15,7 +15,7 @@ def pytest_configure(config):
 def _early_after_timing(request):
     """The early jobs start with the first module that times nothing (before its module fixtures, which may read
     them): the timing tests run before it, alone, then the environ ones (tests/conftest.py)."""
-    if not any(request.node.get_closest_marker(name) for name in ("timing", "environ")):
+    if not early.before_jobs(request.node):
         request.getfixturevalue("early_runs")
 
 

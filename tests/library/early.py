@@ -90,6 +90,16 @@ def _in_turn(name: str, job: Callable[[Path], Any], folder: Path) -> Any:
             _turn.notify_all()
 
 
+# Markers of the tests that run before any job starts, in their order: the timing tests (nothing else of ours on the
+# cores), then those that set environment variables (which a job's processes would inherit).
+BEFORE_JOBS = ("timing", "environ")
+
+
+def before_jobs(node) -> bool:
+    """Whether the tests of `node` (a test or a module) run before the jobs start."""
+    return any(node.get_closest_marker(name) is not None for name in BEFORE_JOBS)
+
+
 def started() -> bool:
     """Whether any job has been queued: from then on, processes of jobs may start at any moment."""
     return bool(_started)

@@ -1,7 +1,7 @@
 """Units whose input is the process's environment: torchrun's and SLURM's variables, TQDM_MINITERS. Each sets them
 in this process (monkeypatch.setenv), which every process started meanwhile would inherit: a background job's run
-that sees SLURM_JOB_ID or WORLD_SIZE takes its ranks from there (a GroupNorm ResNet's session once ran another
-test's model, from PARITY_ARGS set this way). So this module runs before the background jobs start, after the
+that sees SLURM_JOB_ID or WORLD_SIZE takes its ranks from there (a BERT's whole-suite session once ran another
+test's ResNet, from PARITY_ARGS set this way). So this module runs before the background jobs start, after the
 timing tests (tests/conftest.py), and conftest.py fails any other test that sets a variable while jobs run."""
 
 import json
