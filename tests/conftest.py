@@ -4,7 +4,7 @@ tests run in.
 The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
 first, while nothing else of ours runs. The first test after them queues the long jobs that time nothing, those
 its session will read: the generated README's commands (readme_commands.py), the own project's story
-(own_project.py), the oldest releases (test_oldest.py) and the benchmark's tiny run (test_benchmarks.py), with
+(own_project.py), the oldest releases (test_oldest.py) and the benchmarks' tiny runs (test_benchmarks.py), with
 tests/library's early jobs, in one queue (tests/library/early.py: a few at a time, the longest first). The other
 tests run meanwhile; the ones that read a job wait for its result.
 From then on, the processes the tests start let idle OpenMP threads sleep (`idle_threads_sleep`).
@@ -178,11 +178,12 @@ def _readme_runs(request) -> Callable[[Path], dict]:
     return job
 
 
-def _benchmark_run(request) -> Callable[[Path], tuple]:
-    """The benchmark's tiny run (test_benchmarks.run_benchmark); its tests wait for the report."""
-    from test_benchmarks import run_benchmark
+def _benchmark_run(request) -> Callable[[Path], dict]:
+    """The benchmarks' tiny runs, the MLP's and the language model's (test_benchmarks.run_benchmarks); their tests
+    wait for the reports."""
+    from test_benchmarks import run_benchmarks
 
-    return lambda folder: run_benchmark(folder / "report.json")
+    return run_benchmarks
 
 
 def _oldest_run(request) -> Callable[[Path], dict]:
