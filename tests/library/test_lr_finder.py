@@ -244,6 +244,13 @@ def test_two_optimizers_stop_the_fit_before_any_step(tmp_path):
     assert module.losses == [] and "error" in json.loads((tmp_path / "curve.json").read_text())
 
 
+def test_the_command_imports_neither_torch_nor_lightning():
+    """`python -m ddpkit.lr_finder` runs the sweep as a fit of its own: its start and its --help pay no torch."""
+    code = "import sys, ddpkit.lr_finder; print([m for m in ('torch', 'lightning') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 # ---- the arithmetic ----------------------------------------------------------------------------------------
 def test_sweep_lr_runs_from_min_to_max_in_equal_ratios():
     """Exponential: step 0 at min_lr, the last at max_lr, each step the same factor."""
