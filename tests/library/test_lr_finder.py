@@ -109,7 +109,7 @@ def test_the_suggestion_is_printed_and_written_as_the_optimizer_argument(lr_find
     """The example's lr is its optimizer's init_args.lr: the finder prints that option and writes lr.yaml, which
     main.py's parser merges over config.yaml into AdamW's lr; the plot is written too."""
     code, out, folder = lr_finder_runs["one"]
-    lr = lr_finder.yaml_float(curve(lr_finder_runs, "one")["suggestion"])
+    lr = lr_finder.shown(curve(lr_finder_runs, "one")["suggestion"])
     assert f"train with it: python main.py fit --model.optimizer.lr {lr}  (or --config one/lr.yaml)" in out, out
     assert "written: one/lr_find.json, lr.yaml, lr_find.png" in out
     assert (folder / "lr_find.png").stat().st_size > 10_000
@@ -170,6 +170,18 @@ def test_bad_input_is_refused_before_any_fit(tmp_path, monkeypatch, capsys, argv
     monkeypatch.chdir(tmp_path)
     assert expected in refused(capsys, argv)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fit_past_the_timeout_is_killed_with_one_error_line(tmp_path, monkeypatch, capsys):
+    """--timeout kills the fit's whole session and says so; status 1 (a failure, not bad input)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        lr_finder.main(["--main", "ddpkit.toy", "--timeout", "0.5"])
+    err = capsys.readouterr().err
+    assert (
+        exit_.value.code == 1
+        and err == "error: the sweep's fit timed out after 0.5 s and was killed (see lr_find/fit.log)\n"
+    ), err
 
 
 # ---- the callback, in this process -------------------------------------------------------------------------
@@ -258,6 +270,12 @@ def test_sweep_lr_runs_from_min_to_max_in_equal_ratios():
     lrs = [sweep_lr(1e-6, 1.0, 7, k) for k in range(7)]
     assert lrs[0] == 1e-6 and lrs[-1] == pytest.approx(1.0, rel=1e-12)
     assert all(b / a == pytest.approx(10.0, rel=1e-12) for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+@pytest.mark.parametrize("value", [1e-6, 3e-3, 0.1, 1.0, 4.0, 0.005722367659350222, 2.5e20])
+def test_settings_reach_the_fit_as_the_same_float(value):
+    """The fit's parser reads YAML: 1e-06 would be text there, so floats are written as 1.0e-06."""
+    assert yaml.safe_load(lr_finder.yaml_float(value)) == value
 
 
 def test_suggestion_is_the_steepest_fall_before_the_lowest_loss():

@@ -131,10 +131,14 @@ def nested(key: str, value: Any) -> dict:
 
 
 def yaml_float(value: float) -> str:
-    """`value` as YAML reads it back as a float (YAML reads 1e-06 as text, 1.0e-06 as a number)."""
-    text = f"{value:.3g}"
-    mantissa, e, exponent = text.partition("e")
-    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
+    """`value` as YAML reads it back as the same float (YAML reads 1e-06 as text, 1.0e-06 as a number)."""
+    mantissa, e, exponent = repr(float(value)).partition("e")
+    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else mantissa + e + exponent
+
+
+def shown(lr: float) -> str:
+    """A suggested lr as printed and written: 3 significant digits, in YAML's float syntax."""
+    return yaml_float(float(f"{lr:.3g}"))
 
 
 # ---- the sweep's fit ----------------------------------------------------------------------------------------
@@ -166,26 +170,38 @@ def check_fit_args(fit_args: list[str]) -> None:
             raise BadInput(f"the fit args set --{key}, which the finder sets ({OWNED[key]})")
 
 
-def run_fit(cmd: list[str], log: Path, timeout: float) -> int:
+def run_fit(cmd: list[str], log: Path, timeout: float) -> int | None:
     """Run the fit in its own session, its output to `log` and its progress lines to the screen; kill every rank
-    on timeout or Ctrl-C. Its exit status (None: timed out)."""
+    on timeout or when this process is stopped. Its exit status, None when it timed out."""
+    timed_out = threading.Event()
+
+    def time_out() -> None:
+        timed_out.set()
+        kill_group(proc)
+
     with log.open("w") as out:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, bufsize=1
         )
-        timer = threading.Timer(timeout, kill_group, (proc,))
+        timer = threading.Timer(timeout, time_out)
         timer.start()
         try:
             for line in proc.stdout:
                 out.write(line)
                 if line.startswith(PREFIX):
                     print(line[len(PREFIX) :], end="", flush=True)
-            return proc.wait()
+            code = proc.wait()
         except BaseException:
             kill_group(proc)
             raise
         finally:
             timer.cancel()
+    return None if timed_out.is_set() else code
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: the fit's ranks are killed with it."""
+    raise KeyboardInterrupt
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -253,7 +269,7 @@ def report(curve: dict, keys: list[str], out: Path, main: str) -> list[str]:
     ]
     if curve["suggestion"] is None:
         return [*lines, "no suggestion: the loss never fell; start lower (--min-lr) or sweep longer (--steps)"]
-    lr = yaml_float(curve["suggestion"])
+    lr = shown(curve["suggestion"])
     lines.append(f"suggested lr: {lr} (where the smoothed loss falls fastest)")
     if len(keys) != 1:  # none matched the optimizer's lr, or several did
         where = f"one of {', '.join(keys)}" if keys else f"the lr of {curve['optimizer']} where the module builds it"
@@ -337,7 +353,15 @@ def main(argv: list[str] | None = None) -> None:
         f"(log: {log})",
         flush=True,
     )
-    code = run_fit(fit_command(main_cmd, args, fit_args), log, args.timeout)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        code = run_fit(fit_command(main_cmd, args, fit_args), log, args.timeout)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"stopped: the sweep's fit and its ranks were killed; its output: {log}\n")
+        sys.exit(130)
+    if code is None:
+        sys.stderr.write(f"error: the sweep's fit timed out after {args.timeout:g} s and was killed (see {log})\n")
+        sys.exit(1)
     curve_file = args.out / "curve.json"
     curve = json.loads(curve_file.read_text()) if curve_file.exists() else None
     if curve is not None and "error" in curve:
