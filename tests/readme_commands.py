@@ -83,6 +83,7 @@ DOCTOR_LINES = [
     "verdict: ",
 ]
 TUNE_TESTS = "tests/library/test_tune.py::"
+LR_FINDER_TESTS = "tests/library/test_lr_finder.py::"
 SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
 
 GENERATED = {
@@ -221,6 +222,17 @@ GENERATED = {
     ): Elsewhere(TUNE_TESTS + "test_workers_share_the_study_and_never_run_a_trial_twice"),
     "sbatch --array=0-3 cluster/tune.sbatch --space configs/tune.yaml --trials 40": Elsewhere(
         TUNE_TESTS + "test_killed_worker_leaves_no_process_and_its_trial_runs_again"
+    ),
+    # The finder's runs are the library's tests' (on the example, float64): a run in the docs' environment would
+    # start the same ranks again.
+    "python -m ddpkit.lr_finder": Elsewhere(
+        LR_FINDER_TESTS + "test_the_suggestion_is_printed_and_written_as_the_optimizer_argument"
+    ),
+    "python -m ddpkit.lr_finder --devices 2 -- --trainer.accelerator cpu": Elsewhere(
+        LR_FINDER_TESTS + "test_one_and_two_devices_sweep_the_same_curve"
+    ),
+    "python main.py fit --config config.yaml --config lr_find/lr.yaml": Elsewhere(
+        LR_FINDER_TESTS + "test_the_suggestion_is_printed_and_written_as_the_optimizer_argument"
     ),
     "python main.py validate --ckpt_path last": Run(expect=["validate: --ckpt_path last is ", "Validate metric"]),
     "python main.py test     --ckpt_path best": Run(expect=["test: --ckpt_path best is ", "Test metric"]),

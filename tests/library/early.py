@@ -30,6 +30,7 @@ ORDER = [
     "batchnorm_cli_runs",
     "cluster_jobs",
     "faults",
+    "lr_finder_runs",
     "preflight",
     "trackers",
     "family_sessions",
