@@ -263,7 +263,7 @@ ROOT = {
         "&& python -m pytest tests"
     ): Elsewhere("tests/test_bake.py::test_ci_runs_the_readme_test_command"),
     "python .ci/gpu_check.py": NeedsGPU(
-        "no CUDA GPU is visible: .ci/gpu_check.py runs what needs one; CI runs the rest"
+        "no CUDA GPU is visible: .ci/gpu_check.py runs what needs one (--dry-run: its steps on CPU); CI runs the rest"
     ),
 }
 

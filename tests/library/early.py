@@ -40,6 +40,7 @@ ORDER = [
     "tune_workers",
     "tune_metric",
     "benchmark_run",
+    "gpu_check_dry",
 ]
 
 JOBS: dict[str, Callable[[Path], Any]] = {}

@@ -47,6 +47,8 @@ class TextDataModule(GlobalBatchDataModule):
         micro_batch_size: Sequences per forward pass on one device (None: its whole share); gradient
             accumulation makes up the rest of the global batch.
         num_workers: DataLoader worker processes per device.
+        pin_memory: Batches in pinned memory, for asynchronous copies to the GPU (None: on GPUs only).
+        persistent_workers: Keep loader workers from one epoch to the next (with num_workers > 0).
         block_size: Tokens (bytes) per training sequence (at most the model's context length).
         val_fraction: Fraction of the text, taken from its end, held out for validation.
         text_path: Any text file (read as bytes); the bundled Ecclesiastes when None.
@@ -60,12 +62,14 @@ class TextDataModule(GlobalBatchDataModule):
         global_batch_size: int = 32,
         micro_batch_size: int | None = None,
         num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
         block_size: int = 128,
         val_fraction: float = 0.1,
         text_path: str | None = None,
         token_format: Literal["bytes", "uint16"] = "bytes",
     ) -> None:
-        super().__init__(global_batch_size, micro_batch_size, num_workers)
+        super().__init__(global_batch_size, micro_batch_size, num_workers, pin_memory, persistent_workers)
         self.save_hyperparameters()
         self.block_size, self.val_fraction = block_size, val_fraction
         self.text_path = Path(text_path) if text_path else TEXT

@@ -47,6 +47,8 @@ from .doctor import ScalingDoctor
 from .hang import HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
+from .matmul import CHOICES as MATMUL_CHOICES
+from .matmul import float32_matmul_precision
 from .predictions import PredictionWriter
 from .presets import hint as preset_hint
 from .processes import (
@@ -131,6 +133,15 @@ class CLI(SubcommandCLI):
             "the background) and, with --slurm_requeue, for SLURM's requeue signal. A signal stops every rank, "
             "with a checkpoint, within this many steps + 1; lower it when steps are long and the scheduler's "
             "grace period is short.",
+        )
+        parser.add_argument(
+            "--float32_matmul_precision",
+            choices=MATMUL_CHOICES,
+            default="auto",
+            help="torch.set_float32_matmul_precision for this run. auto: 'high' (TF32 matmuls on GPUs that have "
+            "them, Ampere and later) when training in 32-true or a mixed precision on a GPU; torch's own setting "
+            "otherwise (CPU runs, and 64-true, the parity checks' reference, stay exact). 'highest' keeps full "
+            "float32 matmuls on GPUs; 'medium' allows bfloat16 ones.",
         )
         parser.add_argument(
             "--slurm_requeue",
@@ -240,9 +251,17 @@ class CLI(SubcommandCLI):
         added = [stop, *requeue, *writer, *lr, *trackers, *trial, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
-            return super().instantiate_trainer(**kwargs)
+            built = super().instantiate_trainer(**kwargs)
         finally:  # for this trainer only: another call must not add them twice
             self.trainer_defaults = defaults
+        # Before fit: Lightning's tensor-core advice is printed when the device is set up, unless it is set by then.
+        # Every rank runs this CLI (Lightning's launcher, torchrun, srun), each for its own device.
+        matmul = float32_matmul_precision(
+            self.setting("float32_matmul_precision"), built.precision, built.strategy.root_device
+        )
+        if matmul is not None:
+            torch.set_float32_matmul_precision(matmul)
+        return built
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 

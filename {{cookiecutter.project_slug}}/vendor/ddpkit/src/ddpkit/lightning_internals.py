@@ -20,6 +20,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every BatchNorm*d, and SyncBatchNorm
+from torch.nn.parallel import DistributedDataParallel
 
 # (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
 # `_timeout` and `_ddp_comm_hook`, a ThroughputMonitor's `_throughputs`) are tested through their helpers.
@@ -38,6 +39,7 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (BatchNormBase, "_check_input_dim"),
     (torch.distributed.distributed_c10d, "_get_default_store"),
     (torch._C._distributed_c10d, "_dump_fr_trace_json"),
+    (DDPStrategy, "_setup_model"),  # CurrentStreamDDPStrategy
 ]
 
 
@@ -199,3 +201,21 @@ def flight_recorder_entries() -> list[dict]:
     (`collective_seq_id`, `profiling_name` like "gloo:all_reduce", `process_group`); [] when the recorder is off
     (TORCH_FR_BUFFER_SIZE=0). torch's only accessor is private; its `fr_trace` tool reads the same records."""
     return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])
+
+
+# --- DDP built on the stream the steps run on ----------------------------------------------------------------------
+
+
+class CurrentStreamDDPStrategy(DDPStrategy):
+    """`DDPStrategy` that wraps the model in `DistributedDataParallel` on the current CUDA stream, as plain torch does.
+
+    Lightning up to 2.6.6 builds it inside `torch.cuda.stream(torch.cuda.Stream())`, a new side stream, in its private
+    `_setup_model`. DDP's reducer creates the parameters' AccumulateGrad nodes there and keeps them for the whole
+    fit, while every forward and backward runs on the default stream: each backward then joins the two streams, and
+    torch (2.11 on an H200) warns on every GPU fit that "The AccumulateGrad node's stream does not match the stream
+    of the node that produced the incoming gradient". Lightning issue #21567; fixed on its master after 2.6.6 (PR
+    #21746). On CPU nothing changes: Lightning uses no stream there either.
+    """
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
