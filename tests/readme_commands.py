@@ -83,6 +83,7 @@ DOCTOR_LINES = [
     "verdict: ",
 ]
 TUNE_TESTS = "tests/library/test_tune.py::"
+TUNE_SCHEDULE = "tests/library/test_tune_schedule.py::"
 SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
 
 GENERATED = {
@@ -221,6 +222,13 @@ GENERATED = {
     ): Elsewhere(TUNE_TESTS + "test_workers_share_the_study_and_never_run_a_trial_twice"),
     "sbatch --array=0-3 cluster/tune.sbatch --space configs/tune.yaml --trials 40": Elsewhere(
         TUNE_TESTS + "test_killed_worker_leaves_no_process_and_its_trial_runs_again"
+    ),
+    # An 8-GPU node: two workers on 8 faked GPUs, 2 per trial, on fits that train nothing.
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 40 --devices 2": Elsewhere(
+        TUNE_SCHEDULE + "test_packed_trials_get_disjoint_gpus_and_ports_and_fill_the_node"
+    ),
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 8 --parallel 2 -- --trainer.accelerator cpu": Elsewhere(
+        TUNE_TESTS + "test_a_worker_runs_its_trials_at_once"
     ),
     "python main.py validate --ckpt_path last": Run(expect=["validate: --ckpt_path last is ", "Validate metric"]),
     "python main.py test     --ckpt_path best": Run(expect=["test: --ckpt_path best is ", "Test metric"]),
