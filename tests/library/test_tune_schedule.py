@@ -455,6 +455,29 @@ def test_a_trial_stopped_by_ctrl_c_resumes_from_its_last_checkpoint(tune_schedul
     assert "trial 1: interrupted: failed; its values run again when a worker starts" in output(folder, "first")
 
 
+def test_a_retry_resumed_at_its_end_keeps_the_value_it_had(tmp_path, capsys, monkeypatch):
+    """A trial stopped after its last checkpoint (its fit done, its worker killed before telling): the retry resumes
+    there, trains and validates nothing more, and completes with the stopped run's last value (not: 'the fit ran no
+    validation', which would stop the worker)."""
+    folder = prepare(tmp_path, FINITE)
+    (folder / "tune").mkdir()
+    space = load_space(folder / "space.yaml")
+    study = open_study(open_storage(None, folder / "tune"), "space", space, "val/loss", "minimize")
+    params, curve = {"a": 1, "b": "x"}, {1024: 0.8, 2048: 0.6}
+    stopped = optuna.trial.create_trial(
+        state=TrialState.FAIL, params=params, distributions=space.params, intermediate_values=curve
+    )
+    study.add_trial(stopped)
+    study.enqueue_trial(params, user_attrs={RETRY_OF: 0})
+    ckpt = folder / "tune" / "trial_0000" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_text(json.dumps({"samples": 2048}))  # the stub's checkpoint after its 2 validations
+    code, out = run_worker(folder, capsys, monkeypatch, "--space", "space.yaml", "--trials", "1")
+    retry = study_of(folder).get_trials()[1]
+    assert code == 0 and retry.state == TrialState.COMPLETE and retry.value == 0.6, out
+    assert retry.intermediate_values == curve and not VALIDATION.search(out)
+
+
 def test_a_study_leaves_only_the_best_trials_checkpoints(tune_schedule):
     """--checkpoints best (the default): of the trials' checkpoints (every trial wrote 2, and 2 stopped trials kept
     theirs until their values had run again), the study leaves the best trial's two."""

@@ -84,11 +84,13 @@ def run_one(study: Any, w: Worker, trial: Any, devices: Claim) -> bool:
     root, log = run_folder(w.out, trial.number), w.out / f"{name}.log"
     trial.set_user_attr(WORKER, f"{socket.gethostname()}:{os.getpid()}")
     ckpt = resume_point(study, w.out, trial)
-    if RETRY_OF in trial.user_attrs:  # the run it continues: its curve so far, so that the pruner sees all of it
+    copied = []  # the curve of the run it continues, so that the pruner sees all of it
+    if RETRY_OF in trial.user_attrs:
         for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
             if t.number == trial.user_attrs[RETRY_OF]:
-                for at, value in sorted(t.intermediate_values.items()):
-                    trial.report(value, at)
+                copied = sorted(t.intermediate_values.items())
+        for at, value in copied:
+            trial.report(value, at)
     where = f" on GPUs {','.join(devices.gpus)}" if devices.gpus else ""
     resumes = f", resuming {ckpt}" if ckpt else ""
     print(
@@ -126,6 +128,8 @@ def run_one(study: Any, w: Worker, trial: Any, devices: Claim) -> bool:
         study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number})
         print(f"trial {trial.number}: interrupted: failed; its values run again when a worker starts", flush=True)
         return False
+    if ckpt and not outcome.reports and outcome.missing is None and outcome.code == 0 and copied:
+        outcome.reports = copied[-1:]  # resumed from a checkpoint with nothing left to train: its last value holds
     return told(study, w, trial, outcome, log, f"{time.monotonic() - start:.0f} s")
 
 
