@@ -556,6 +556,19 @@ def test_unknown_config_key_is_refused_before_any_trial(tmp_path, capsys):
     assert optuna.get_all_study_names(open_storage(None, tmp_path / "tune")) == []
 
 
+def test_fit_options_the_trainer_refuses_are_refused_before_any_trial(tmp_path, capsys):
+    """`--trainer.enable_checkpointing false` beside the config's checkpoint callback parses, but Lightning refuses it
+    when it builds the Trainer: the check before any trial builds the fit (model, data, Trainer; nothing trains) and
+    says so in one line, naming the values it checked; no trial, no study."""
+    error = refused(tmp_path, capsys, ["--", "--trainer.enable_checkpointing", "false"])
+    assert error == (
+        "error: main.py fit refuses the fit args with the space's values (--model.init_args.lr 0.001 "
+        "--model.init_args.hidden_dim 16): MisconfigurationException: Trainer was configured with "
+        "`enable_checkpointing=False` but found `ModelCheckpoint` in callbacks list."
+    )
+    assert optuna.get_all_study_names(open_storage(None, tmp_path / "tune")) == []
+
+
 def test_unreachable_storage_is_refused(tmp_path, capsys):
     """A PostgreSQL URL with no server behind it: one line that names it (without its password)."""
     url = f"postgresql://tuner:secret@127.0.0.1:{free_port()}/study"
