@@ -175,16 +175,29 @@ def pack(folder: Path) -> dict:
 
 @early.early("tune_schedule")
 def _tune_schedule(base: Path) -> dict:
-    """The four studies at once, each in a folder of its own: {name: (folder, result)}."""
+    """The four studies at once, each in a folder of its own: {name: (folder, its result or what it raised)}."""
     scenarios = {"restart": restart, "job": job, "array": array, "pack": pack}
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = {name: pool.submit(run, base / name) for name, run in scenarios.items()}
-        return {name: (base / name, f.result()) for name, f in futures.items()}
+        return {name: (base / name, f.exception() or f.result()) for name, f in futures.items()}
+
+
+class Scenarios:
+    """The job's studies by name; one that raised fails only its own tests."""
+
+    def __init__(self, results: dict) -> None:
+        self.results = results
+
+    def __getitem__(self, name: str) -> tuple[Path, dict]:
+        folder, result = self.results[name]
+        if isinstance(result, BaseException):
+            raise result
+        return folder, result
 
 
 @pytest.fixture(scope="module")
-def tune_schedule() -> dict:
-    return early.result("tune_schedule")
+def tune_schedule() -> Scenarios:
+    return Scenarios(early.result("tune_schedule"))
 
 
 def yaml_blocks() -> list:
