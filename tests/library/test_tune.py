@@ -25,14 +25,16 @@ import threading
 import time
 from pathlib import Path
 
+import early
 import optuna
 import pytest
 import torch
 import yaml
 from optuna.trial import TrialState
+from postgres import server
+from procs import finish, start, toy_ok
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of check_parity, imported below
-import early
 from ddpkit import tune
 from ddpkit.cli import newest_last_checkpoint
 from ddpkit.parity import over_bound, read_csv_scalars, report, scalar_diffs, weight_diffs
@@ -44,8 +46,6 @@ from ddpkit.tune_devices import Claim
 from ddpkit.tune_report import fmt
 from ddpkit.tune_space import argument
 from ddpkit.tune_worker import Worker, run_one, stop, work
-from postgres import server
-from procs import finish, start, toy_ok
 
 SCRIPT = Path(__file__).resolve().parents[2] / "{{cookiecutter.project_slug}}" / "cluster" / "tune.sbatch"
 TUNE = [sys.executable, "-m", "ddpkit.tune", "--main", "ddpkit.toy"]

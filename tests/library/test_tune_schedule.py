@@ -23,12 +23,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import early
 import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
+from postgres import server
+from procs import finish, start
 
-import early
 from ddpkit import tune
 from ddpkit.study import NOTE, REPEAT, RETRY_OF, WORKER, BadInput, open_storage, open_study, tell
 from ddpkit.testing.fake_cluster import slurm_array_env
@@ -36,8 +38,6 @@ from ddpkit.tune_devices import CLAIMS, claim, concurrent_trials, gpu_uuids, vis
 from ddpkit.tune_report import best_yaml
 from ddpkit.tune_run import tidy_checkpoints
 from ddpkit.tune_space import check_sets, configurations, load_space, suggest
-from postgres import server
-from procs import finish, start
 
 TESTS = Path(__file__).resolve().parent
 PROJECT = TESTS.parents[1] / "{{cookiecutter.project_slug}}"
