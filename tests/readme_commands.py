@@ -84,6 +84,7 @@ DOCTOR_LINES = [
 ]
 TUNE_TESTS = "tests/library/test_tune.py::"
 LR_FINDER_TESTS = "tests/library/test_lr_finder.py::"
+TUNE_SCHEDULE = "tests/library/test_tune_schedule.py::"
 SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
 
 GENERATED = {
@@ -233,6 +234,13 @@ GENERATED = {
     ),
     "python main.py fit --config config.yaml --config lr_find/lr.yaml": Elsewhere(
         LR_FINDER_TESTS + "test_the_suggestion_is_printed_and_written_as_the_optimizer_argument"
+    ),
+    # An 8-GPU node: two workers on 8 faked GPUs, 2 per trial, on fits that train nothing.
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 40 --devices 2": Elsewhere(
+        TUNE_SCHEDULE + "test_packed_trials_get_disjoint_gpus_and_ports_and_fill_the_node"
+    ),
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 8 --parallel 2 -- --trainer.accelerator cpu": Elsewhere(
+        TUNE_TESTS + "test_a_worker_runs_its_trials_at_once"
     ),
     "python main.py validate --ckpt_path last": Run(expect=["validate: --ckpt_path last is ", "Validate metric"]),
     "python main.py test     --ckpt_path best": Run(expect=["test: --ckpt_path best is ", "Test metric"]),

@@ -38,6 +38,7 @@ ORDER = [
     "own_project_story",
     "tune_ddp",
     "tune_workers",
+    "tune_schedule",
     "tune_metric",
     "benchmark_run",
     "gpu_check_dry",

@@ -66,7 +66,7 @@ from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy, ddp_alias
 from .trackers import SaveTrackerRuns, continue_trackers
 from .trial import TrialReport
-from .tune import TRIAL_CHANNEL, TRIAL_METRIC, TRIAL_WORKER
+from .tune_run import TRIAL_CHANNEL, TRIAL_CHECK, TRIAL_METRIC, TRIAL_WORKER
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -266,6 +266,9 @@ class CLI(SubcommandCLI):
     # --- failures end the whole job, with the rank named ---------------------------------------------
 
     def run_subcommand(self, subcommand: str) -> None:
+        if TRIAL_CHECK in os.environ:  # python -m ddpkit.tune's check: model, data and Trainer built; train nothing
+            Path(os.environ[TRIAL_CHECK]).write_text(self.parser.dump(self.config, skip_none=False))
+            return
         launcher = self.trainer.strategy.launcher
         try:
             if is_subprocess_launcher(launcher):
