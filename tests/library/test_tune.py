@@ -49,7 +49,9 @@ from ddpkit.tune_worker import Worker, run_one, stop, work
 
 SCRIPT = Path(__file__).resolve().parents[2] / "{{cookiecutter.project_slug}}" / "cluster" / "tune.sbatch"
 TUNE = [sys.executable, "-m", "ddpkit.tune", "--main", "ddpkit.toy"]
-TIMEOUT = 300
+# A whole study's bound, for a hang to fail rather than block: the 4-trial DDP study ran 242 s in CI of 2026-12-04 and
+# 509-623 s on a machine shared by several sessions (docs/measurements.md); 600 s leaves CI twice its figure.
+TIMEOUT = 600
 # 256 training samples in global batches of 64: 4 steps an epoch, a validation after each.
 DDP_FIT = [
     *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
