@@ -12,6 +12,7 @@ it, with the reason), so that the newest releases are tested when they appear ra
 (vendor/ddpkit/docs/versions.md).
 """
 
+import shutil
 import sys
 import tempfile
 import time
@@ -45,8 +46,7 @@ def story(base: Path, releases: list[str], constraints: Path | None = None) -> d
     torch = next(r for r in releases if r.lower().startswith("torch=="))
     listed = base / "releases.txt"
     listed.write_text("\n".join(releases) + "\n")
-    record = {}
-    for name, cmd in (
+    steps = (
         ("torch", [*pip, torch]),
         ("releases", [*pip, "-r", str(listed)]),
         ("project", [*pip, "-e", ".[dev]", *(["-c", str(constraints)] if constraints else [])]),
@@ -57,12 +57,17 @@ def story(base: Path, releases: list[str], constraints: Path | None = None) -> d
             ["python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--confcutdir",
              str(TEMPLATE / "tests" / "library"), *(str(TEMPLATE / "tests" / "library" / u) for u in UNITS)],
         ),
-    ):  # fmt: skip
-        began = time.monotonic()
-        result = run(cmd, project, timeout=1800, env=env)
-        record[name] = (result.returncode, result.stdout, time.monotonic() - began)
-        if result.returncode and name in INSTALLS:
-            break
+    )  # fmt: skip
+    record = {}
+    try:
+        for name, cmd in steps:
+            began = time.monotonic()
+            result = run(cmd, project, timeout=1800, env=env)
+            record[name] = (result.returncode, result.stdout, time.monotonic() - began)
+            if result.returncode and name in INSTALLS:
+                break
+    finally:  # the record holds what the tests read; a CUDA torch's environment is 5 GB that pytest would keep
+        shutil.rmtree(base / "venv", ignore_errors=True)
     return record
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from bakes import TEMPLATE, pinned_versions
 from packaging.version import Version
-from releases import INSTALLS, kept, story
+from releases import CONSTRAINTS, INSTALLS, kept, story, with_releases
 
 OLDEST = TEMPLATE / "tests" / "oldest.txt"
 # The suite's one skip on CPU that is not a GPU test's: FSDP2 needs CUDA before torch 2.6 (ddpkit.sharding).
@@ -53,3 +53,19 @@ def test_project_pytest_and_library_units_pass_on_the_oldest_releases(oldest, st
     floor = Version(pinned_versions(OLDEST)["torch"])
     assert len(sharded) == (step == "pytest" and floor < Version("2.6")), skips
     assert all("GPU" in s for s in skips if s not in sharded), skips
+
+
+def test_a_release_replaced_or_missing_is_reported_and_a_local_label_is_not():
+    """kept() names each wanted release that `pip list` shows at another version or not at all (extras and case
+    ignored), and accepts a CUDA build's local label (2.4.0+cu121 is torch 2.4.0)."""
+    record = {"versions": (0, "torch==2.4.0+cu121\nLightning==2.6.6\nPyYAML==6.0.2\n", 1.0)}
+    wanted = ["torch==2.4.0", "lightning==2.5.1", "jsonargparse[signatures]==4.36.0", "PyYAML==6.0.2"]
+    assert kept(record, wanted) == ["lightning: 2.5.1 wanted, 2.6.6 found", "jsonargparse: 4.36.0 wanted, None found"]
+
+
+def test_a_new_release_replaces_its_pin_in_the_newest_set(tmp_path):
+    """with_releases() writes constraints.txt's pins with the named package at the given release and the others
+    as they were."""
+    newest = pinned_versions(CONSTRAINTS)
+    written = pinned_versions(with_releases(["torch==2.15.0"], tmp_path))
+    assert written == {**newest, "torch": "2.15.0"} and newest["torch"] != "2.15.0"
