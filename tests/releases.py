@@ -5,6 +5,7 @@ maintainer runs it on a new release of torch or Lightning the day it appears, th
 project's constraints.txt pins it:
 
     python tests/releases.py torch==2.15.0        # or lightning==2.7.0 (with constraints.txt's torch), or both
+    python tests/releases.py --no-constraints torch==2.11.0   # a GPU image's torch: pip chooses the rest
 
 It prints each step's time, the summaries and whether the releases were kept, and exits 0 when all passed; the
 result goes into docs/measurements.md. Then constraints.txt moves to the new release (or ddpkit's range excludes
@@ -94,7 +95,9 @@ def with_releases(releases: list[str], folder: Path) -> Path:
     return path
 
 
-def main(releases: list[str]) -> int:
+def main(args: list[str]) -> int:
+    bare = "--no-constraints" in args  # as on a GPU image: the project's install picks the rest itself
+    releases = [a for a in args if a != "--no-constraints"]
     if not releases or any("==" not in r for r in releases):
         print("error: name the releases as NAME==VERSION, e.g. torch==2.15.0 or lightning==2.7.0", file=sys.stderr)
         return 2
@@ -102,7 +105,7 @@ def main(releases: list[str]) -> int:
         releases = [torch_pin(), *releases]  # the newest tested torch, first
     with tempfile.TemporaryDirectory(prefix="releases-") as folder:
         base = Path(folder)
-        record = story(base, releases, with_releases(releases, base))
+        record = story(base, releases, None if bare else with_releases(releases, base))
         for name, (code, out, seconds) in record.items():
             print(f"{name:9} {'ok' if code == 0 else f'FAILED ({code})':12} {seconds:6.0f} s")
             if code or name in ("pytest", "units"):
