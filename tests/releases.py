@@ -35,6 +35,7 @@ UNITS = [
     "test_presets.py",
 ]
 INSTALLS = ("torch", "releases", "project")
+NEWEST_SHOWN = ("lightning", "torchmetrics", "tensorboard", "jsonargparse", "pyyaml")
 
 
 def story(base: Path, releases: list[str], constraints: Path | None = None) -> dict:
@@ -111,6 +112,9 @@ def main(args: list[str]) -> int:
             if code or name in ("pytest", "units"):
                 print("    " + "\n    ".join(out.strip().splitlines()[-(40 if code else 1) :]))
         missing = kept(record, releases) if "versions" in record else ["(not installed)"]
+        if "versions" in record:
+            have = installed(record)
+            print("installed: " + ", ".join(f"{n} {have.get(n)}" for n in ("torch", *NEWEST_SHOWN)))
         print("kept: " + ("all of " + ", ".join(releases) if not missing else "NO: " + "; ".join(missing)))
         return 0 if not missing and all(code == 0 for code, _, _ in record.values()) else 1
 
