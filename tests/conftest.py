@@ -223,7 +223,9 @@ def gpu_check_dry() -> Future:
 
 
 @pytest.fixture(scope="session")
-def oldest_run() -> Future:
+def oldest_run(idle_threads_sleep, background) -> Future:
+    # Its jobs' start as a dependency: session fixtures are set up before the module's autouse one, so a run of
+    # test_oldest.py alone would ask for the job before anything started it.
     return early.future("oldest_run")
 
 

@@ -1,5 +1,5 @@
-"""Units whose input is the process's environment: torchrun's and SLURM's variables, TQDM_MINITERS. Each sets them
-in this process (monkeypatch.setenv), which every process started meanwhile would inherit: a background job's run
+"""Units whose input is the process's environment: torchrun's and SLURM's variables, the CLI's defaults. Each sets
+them in this process (monkeypatch.setenv), which every process started meanwhile would inherit: a background job's run
 that sees SLURM_JOB_ID or WORLD_SIZE takes its ranks from there (a BERT's whole-suite session once ran another
 test's ResNet, from PARITY_ARGS set this way). So this module runs before the background jobs start, after the
 timing tests (tests/conftest.py), and conftest.py fails any other test that sets a variable while jobs run."""
@@ -121,15 +121,19 @@ def test_trials_do_not_see_slurm(monkeypatch):
 # ---- TQDM -------------------------------------------------------------------------------------------------------
 
 
-def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(tmp_path, monkeypatch, capsys):
-    """The CLI defaults TQDM_MINITERS to 10 (Lightning's TQDM bar reads it) and keeps a value already set."""
-    monkeypatch.delenv("TQDM_MINITERS", raising=False)
+@pytest.mark.parametrize(
+    ("name", "default", "own"), [("TQDM_MINITERS", "10", "1"), ("TORCH_FR_BUFFER_SIZE", "2000", "0")]
+)
+def test_cli_defaults_a_variable_unless_the_user_set_it(tmp_path, monkeypatch, capsys, name, default, own):
+    """The CLI defaults TQDM_MINITERS to 10 (Lightning's TQDM bar redraws every 10th step) and TORCH_FR_BUFFER_SIZE
+    to 2000 (torch 2.8 records no gloo collective for the hang report without it), and keeps a value already set."""
+    monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["main.py"])  # not pytest's arguments
-    for expected in ("10", "1"):
+    for expected in (default, own):
         with pytest.raises(SystemExit):  # --help: the variable is set before anything is parsed
             main(tmp_path / "no-config.yaml", ["--help"])
-        assert os.environ["TQDM_MINITERS"] == expected
-        monkeypatch.setenv("TQDM_MINITERS", "1")
+        assert os.environ[name] == expected
+        monkeypatch.setenv(name, own)
 
 
 # ---- the guard ----------------------------------------------------------------------------------------------------

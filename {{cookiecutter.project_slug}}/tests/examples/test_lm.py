@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from ddpkit import throughput
 from ddpkit.parity import read_scalars
+from ddpkit.sharding import shards_on_cpu
 from ddpkit.testing.helpers import run_ok
 from ddpkit.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS
@@ -103,6 +104,7 @@ def test_flops_per_sequence_matches_the_transformer_formula(vocab_size):
     assert module.flops_per_sequence == formula
 
 
+@pytest.mark.skipif(not shards_on_cpu(), reason=f"FSDP2 runs on CPU processes from torch 2.6, not {torch.__version__}")
 def test_lm_trains_sharded_from_the_presets(tmp_path):
     """configs/lm.yaml + configs/model_parallel.yaml on 2 CPU processes: shards per rank, validation loss drops."""
     tiny = ["--model.n_layers", "2", "--model.d_model", "64", "--model.block_size", "64", "--data.block_size", "64"]

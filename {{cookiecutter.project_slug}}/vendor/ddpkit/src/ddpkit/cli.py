@@ -44,7 +44,7 @@ from .checks import (
 from .ckpt_paths import resolve_ckpt_path
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
-from .hang import HangDump, collect, is_collective_timeout
+from .hang import FLIGHT_RECORDER_ENV, HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
 from .matmul import CHOICES as MATMUL_CHOICES
@@ -315,6 +315,8 @@ def main(default_config: str | Path, args: list[str] | None = None, run: bool = 
     # ms of CPU each (measured: ddp-template's docs/measurements.md). Every 10th step (and each epoch's last)
     # is enough to watch; export TQDM_MINITERS to change it.
     os.environ.setdefault("TQDM_MINITERS", "10")
+    # The hang report's record of each rank's collectives: torch 2.8 keeps none for gloo unless this is set.
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)
     parser_kwargs = {"default_config_files": [str(default_config)]}
     return CLI(
         LightningModule,

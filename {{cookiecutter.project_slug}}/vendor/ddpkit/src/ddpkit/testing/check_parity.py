@@ -163,7 +163,7 @@ def test_weights_match_1_vs_2_devices(cpu_runs, steps, precision):
 def test_both_ranks_end_bit_identical(cpu_runs):
     """DDP keeps the replicas identical: rank 0 and rank 1 hold the same float32 weights, bit for bit."""
     probe = cpu_runs["2dev-fp32"].root / "probe"
-    rank0, rank1 = (torch.load(probe / f"fit-rank{r}.pt") for r in (0, 1))
+    rank0, rank1 = (torch.load(probe / f"fit-rank{r}.pt", weights_only=True) for r in (0, 1))
     assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
 
 
@@ -346,7 +346,8 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
     resumed = cpu_runs["resume-2to1"]
     locations = []
-    torch.load(as_cuda(cpu_runs["2dev-fp64"], steps), map_location=lambda s, loc: locations.append(loc) or s)
+    path = as_cuda(cpu_runs["2dev-fp64"], steps)
+    torch.load(path, map_location=lambda s, loc: locations.append(loc) or s, weights_only=False)  # hyperparameters too
     assert locations and set(locations) == {"cuda:0"}
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     comparable(steps)
