@@ -207,28 +207,28 @@ def _own_project_story(request) -> Callable[[Path], dict]:
     return story
 
 
+# Each job's fixture depends on the jobs' start: session fixtures are set up before the modules' autouse one, so a run
+# of one of these tests alone (test_benchmarks.py, say) would ask for its job before anything started it.
 @pytest.fixture(scope="session")
-def readme_runs() -> Future:
+def readme_runs(idle_threads_sleep, background) -> Future:
     return early.future("readme_runs")
 
 
 @pytest.fixture(scope="session")
-def benchmark_run() -> Future:
+def benchmark_run(idle_threads_sleep, background) -> Future:
     return early.future("benchmark_run")
 
 
 @pytest.fixture(scope="session")
-def gpu_check_dry() -> Future:
+def gpu_check_dry(idle_threads_sleep, background) -> Future:
     return early.future("gpu_check_dry")
 
 
 @pytest.fixture(scope="session")
 def oldest_run(idle_threads_sleep, background) -> Future:
-    # Its jobs' start as a dependency: session fixtures are set up before the module's autouse one, so a run of
-    # test_oldest.py alone would ask for the job before anything started it.
     return early.future("oldest_run")
 
 
 @pytest.fixture(scope="session")
-def own_project_story() -> Future:
+def own_project_story(idle_threads_sleep, background) -> Future:
     return early.future("own_project_story")
