@@ -11,9 +11,9 @@ import sys
 import pytest
 from jsonargparse import Namespace
 
-from ddpkit import tune
 from ddpkit.cli import BadInput, main, match_torchrun, place_loggers, requeued_run
 from ddpkit.trackers import RUN_IDS, continue_trackers
+from ddpkit.tune_run import trial_env
 
 pytestmark = pytest.mark.environ
 
@@ -114,7 +114,7 @@ def test_trials_do_not_see_slurm(monkeypatch):
     """A worker in an array task keeps SLURM's variables from its trials (Lightning would take ranks from srun)."""
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    env = tune.trial_env(X="1")
+    env = trial_env(X="1")
     assert not [k for k in env if k.startswith("SLURM_")] and env["X"] == "1" and env["PATH"] == os.environ["PATH"]
 
 
