@@ -1,6 +1,6 @@
 """The GPU check for maintainers: what the CPU-only CI cannot run, on a machine with one or more GPUs.
 
-    python .ci/gpu_check.py             # from this repository, on a GPU machine; under 8 minutes on one GPU
+    python .ci/gpu_check.py             # from this repository, on a GPU machine; 8 minutes on one GPU before lm-bench
     python .ci/gpu_check.py --dry-run   # anywhere: the same steps on CPU, small (tests/test_gpu_check.py runs it)
 
 It needs what a baked project's `pip install -e ".[dev]"` installs (torch, Lightning, ddpkit, pytest, and cookiecutter
@@ -20,14 +20,16 @@ output (a comparison's every tensor and tag, a pytest session, a fit's log). The
 - the scaling doctor's verdict and step time on a default (32-true, TF32) fit on 1 GPU;
 - the benchmark (benchmarks/run.py, bf16-mixed, the realistic MLP, 2 rounds): template / bare Lightning and
   template / raw DDP step time;
+- the language-model benchmark (benchmarks/lm.py, GPT-2 small, bf16-mixed, compiled, 1 round): template / hand-written
+  DDP loop in tokens/s, and both sides' MFU;
 - no GPU fit's log has torch's warning that an AccumulateGrad node was kept from an earlier step on another stream.
 Steps that time something run alone, after the others (which run together). A step is a function decorated with
 `@step`: adding one is writing one.
 
 --dry-run runs the same steps on CPU, small, to keep this script from rotting where CI has no GPU: one float64 CPU fit
 of 4 batches stands in for every 1-GPU fit (the comparisons, the bf16 and the doctor steps read it), the two agents
-are CPU processes, MFU is skipped (no peak FLOPs on a CPU), the benchmark runs its small MLP on CPU, and the GPU-marked
-tests skip. `--skip` leaves steps out. Exits 1 when a step fails, 2 when no GPU is visible (without --dry-run) or an
+are CPU processes, MFU is skipped (no peak FLOPs on a CPU), the benchmarks run their small MLP and tiny GPT on CPU,
+and the GPU-marked tests skip. `--skip` leaves steps out. Exits 1 when a step fails, 2 when no GPU is visible (without --dry-run) or an
 argument is bad.
 """
 
@@ -351,6 +353,28 @@ def benchmark(check: Check) -> Result:
         f" (ms/step raw / bare / template: {steps}; max weight diff {row['weight_diff']:.1e})"
     )
     return Result(True, detail, log.read_text())
+
+
+@step("lm-bench", "the language-model benchmark: template / hand-written loop, tokens/s and MFU", alone=True)
+def lm_bench(check: Check) -> Result:
+    log = check.work / "lm-bench.log"
+    if check.dry_run:  # the tiny GPT on CPU, 2 steps an epoch: that the script and its parsing still work
+        size = ["--accelerator", "cpu", "--steps", "2", "--epochs", "2"]
+    else:  # GPT-2 small, bf16-mixed, compiled; one round keeps the check short (benchmarks/lm.py runs 3 by default)
+        size = ["--accelerator", "gpu"]
+    cmd = [sys.executable, str(TEMPLATE / "benchmarks" / "lm.py"), *size, "--rounds", "1"]
+    code = sh([*cmd, "--project", str(check.project)], TEMPLATE, log, timeout=900)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("lm-bench: device=")]
+    if code or not lines:
+        return Result(False, f"exited {code}, see {log}", text)
+    fields = dict(pair.split("=", 1) for pair in lines[-1].removeprefix("lm-bench: ").split())
+    detail = (
+        f"{fields['size']} ({fields['params']} parameters): template / raw tokens/s {fields['ratio']} "
+        f"({fields['template_tokens_per_s']} / {fields['raw_tokens_per_s']}), MFU template {fields['template_mfu']}, "
+        f"raw {fields['raw_mfu']}; max weight diff {fields['max_weight_diff']}"
+    )
+    return Result(float(fields["ratio"]) > 0, detail, text)
 
 
 @step("accumulate-grad", "no GPU fit warns of an AccumulateGrad node kept from an earlier step")

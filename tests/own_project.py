@@ -250,7 +250,7 @@ PARITY_FIRST_WAVE = [
 
 BUGS = ["SumLoss", "UnsyncedBatchNorm", "UnsyncedMetric"]
 # The GPU check's steps that its dry run in this environment leaves to the one in CI's (test_gpu_check.py).
-GPU_CHECK_SKIPPED = ["bake-tests", "fp64-2-ranks"]
+GPU_CHECK_SKIPPED = ["bake-tests", "fp64-2-ranks", "lm-bench"]
 
 
 def story(base: Path) -> dict:

@@ -2,9 +2,9 @@
 fits stood in for) in this environment, and its parts. tests/test_own_project.py runs the dry run again in a baked
 project's own environment (only `.[dev]`: no optuna, MLflow or W&B), with the steps this one leaves out.
 
-Each step runs once in CI: here the bake's GPU-marked tests and the fits, there the library's GPU-marked tests
-(which must collect without the optional libraries) and the benchmark, whose whole runs CI also has elsewhere
-(the library's own session, test_benchmarks.py)."""
+Each step runs once in CI: here the bake's GPU-marked tests, the fits and the language-model benchmark (its tiny
+GPT), there the library's GPU-marked tests (which must collect without the optional libraries) and the benchmark,
+whose whole runs CI also has elsewhere (the library's own session, test_benchmarks.py)."""
 
 import importlib.util
 import os
@@ -64,6 +64,9 @@ def test_dry_run_runs_each_step_and_keeps_its_output(dry):
     comparison = steps["float64, 1 GPU vs 1 CPU process"][2].read_text()
     assert "weights, worst of 6 tensors:" in comparison and "model.net.2.bias: max_abs 0" in comparison
     assert steps["float64, the same fit again on the GPU"][1].startswith("bit-identical")
+    lm = steps["the language-model benchmark: template / hand-written loop, tokens/s and MFU"][1]
+    assert re.fullmatch(r"tiny \(\d+ parameters\): template / raw tokens/s \d\.\d{4} \(\d+ / \d+\), MFU template n/a, "
+                        r"raw n/a; max weight diff \S+", lm), lm  # fmt: skip
 
 
 def test_dry_run_two_rank_step_matches_one_process(dry):
