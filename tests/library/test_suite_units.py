@@ -15,11 +15,13 @@ from ddpkit.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.testing.check_parity import (
     BOUNDS,
-    FLOAT32_CEILING,
     ROUNDING_CEILING,
     ROUNDING_FACTOR,
+    Bound,
+    Noise,
+    assert_within,
     fp64_bound,
-    weights_bound,
+    judge,
 )
 from ddpkit.testing.configured import switch_off
 from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints
@@ -88,7 +90,8 @@ def test_next_hpc_checkpoint_follows_the_highest_number(tmp_path):
 
 
 def test_over_bound_leaves_out_tensors_at_rounding_level_and_nan_never_passes():
-    """A tensor fails on max_rel above the bound unless its max_abs is within `at_rounding`; NaN fails either way."""
+    """A tensor fails on max_rel above the bound unless its max_abs is within `at_rounding`; NaN fails either way.
+    A report lists the tensors over the bound first and those at rounding level last."""
     f64 = functools.partial(torch.tensor, dtype=torch.float64)
     diffs = [
         diff("key.bias", f64([1e-16, -2e-16]), f64([3e-16, -1e-16])),  # max_rel 1.0, at rounding level
@@ -98,16 +101,21 @@ def test_over_bound_leaves_out_tensors_at_rounding_level_and_nan_never_passes():
     assert [d.name for d in over_bound(diffs, 1e-12)] == ["key.bias", "weight", "nan"]
     assert [d.name for d in over_bound(diffs, 1e-12, at_rounding=1e-15)] == ["weight", "nan"]
     assert [d.name for d in over_bound(diffs, 1e-9, at_rounding=1e-15)] == ["nan"]
-    lines = report(diffs, at_rounding=1e-15).splitlines()
-    assert lines[0] == "  key.bias: max_abs 2e-16, max_rel 1 (at rounding level)" and "rounding" not in lines[1]
+    lines = report(diffs, at_rounding=1e-15, max_rel=1e-12).splitlines()  # over the bound first, rounding last
+    assert lines == [
+        "  weight: max_abs 1e-09, max_rel 5e-10 (over 1e-12)",
+        "  nan: max_abs nan, max_rel nan (over 1e-12)",
+        "  key.bias: max_abs 2e-16, max_rel 1 (at rounding level)",
+    ]
     assert "rounding" not in report(diffs)  # no level given: nothing is marked
 
 
 class Weights:
-    """A finished run as fp64_bound reads it: its final weights (w, and a bias that holds only rounding)."""
+    """A finished run as fp64_bound reads it: its final weights (w, and a bias that holds only rounding) and its
+    folder, where the gradients' peaks may be (none: no element is left out)."""
 
-    def __init__(self, w: list[float], bias: float) -> None:
-        self.w, self.bias = w, bias
+    def __init__(self, w: list[float], bias: float, root: Path = Path("/nonexistent")) -> None:
+        self.w, self.bias, self.root = w, bias, root
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {"w": torch.tensor(self.w, dtype=torch.float64), "bias": torch.tensor([self.bias], dtype=torch.float64)}
@@ -127,40 +135,82 @@ def test_fp64_bound_is_a_factor_of_the_models_rounding_at_least_the_fixed_one(
     micro_batch_size, reference, max_rel, at_rounding
 ):
     """1 device with 4 micro-batches (or reversed batches) vs without sets the bound: w moves from 2.0 by
-    `reference`; the bias, 1e-16 moved by 1e-16, holds only rounding and does not count. A reference above
-    ROUNDING_CEILING leaves the fixed bound."""
+    `reference`; the bias, 1e-16 moved by 1e-16, holds only rounding and does not count; each tensor may also differ
+    by ROUNDING_FACTOR x how far the reference moved it. A reference above ROUNDING_CEILING leaves the fixed bound."""
     other = "1dev-acc4-fp64" if micro_batch_size else "1dev-reversed-fp64"
-    runs = {"1dev-fp64": Weights([2.0, 0.5], 1e-16), other: Weights([2.0 + reference, 0.5], 2e-16)}
+    runs = {
+        "1dev-fp64": Weights([2.0, 0.5], 1e-16),
+        "2dev-fp64": Weights([2.0, 0.5], 1e-16),
+        other: Weights([2.0 + reference, 0.5], 2e-16),
+    }
     bound = fp64_bound(runs, {"micro_batch_size": micro_batch_size})
     assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
     assert bound.at_rounding == pytest.approx(at_rounding, rel=1e-6)
+    own = {"w": ROUNDING_FACTOR * reference, "bias": ROUNDING_FACTOR * 1e-16} if at_rounding else {}
+    assert bound.own == pytest.approx(own, rel=1e-6)
     assert BOUNDS["cpu", "64-true"] == 1e-12 and ROUNDING_CEILING < 2e-6
 
 
-@pytest.mark.parametrize(
-    ("reference", "max_rel"),
-    [
-        (4e-5, 2e-4),  # under the fixed float32 bound: the fixed bound
-        (2e-3, ROUNDING_FACTOR * 1e-3),  # a GroupNorm CNN's float32 rounding: 5 x it
-    ],
-)
-def test_fp32_bound_is_a_factor_of_the_models_float32_rounding(reference, max_rel):
-    """The float32 check's bound comes from float32's own reference run (w moves from 2.0 by `reference`); a bias
-    the optimizer moves only by rounding (AdamW turns no gradient into steps of lr) is at rounding level."""
-    runs = {"1dev-fp32": Weights([2.0, 0.5], 1e-4), "1dev-acc4-fp32": Weights([2.0 + reference, 0.5], 3e-4)}
-    bound = weights_bound(runs, {"micro_batch_size": 8}, "fp32")
-    assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
-    assert bound.at_rounding == pytest.approx(ROUNDING_FACTOR * max(reference, 2e-4), rel=1e-6)
-    assert BOUNDS["cpu", "32-true"] == 2e-4
+F64 = functools.partial(torch.tensor, dtype=torch.float64)
 
 
-def test_fp32_check_skips_when_float32_rounding_alone_moves_weights_past_the_ceiling():
-    """A transformer's float32 weights move by max_rel 1-1.7 with summation order alone: the float32 comparison
-    skips, naming that figure, rather than fail on rounding or pass on a meaningless bound."""
-    runs = {"1dev-fp32": Weights([2.0, 0.5], 0.3), "1dev-reversed-fp32": Weights([2.0, 0.5 * 2.2], 0.3)}
-    with pytest.raises(pytest.skip.Exception, match=r"max_rel 0\.3, over 0\.01: .* float64 is the check"):
-        weights_bound(runs, {"micro_batch_size": None}, "fp32")
-    assert FLOAT32_CEILING == 1e-2
+def test_elements_without_gradient_are_left_out_and_each_tensor_has_its_own_reference(tmp_path):
+    """A fused query-key-value bias whose key slice got no gradient (its peak 1e-20 of the model's largest) is judged
+    on its query and value slices: the key slice's rounding, 1e-12 apart, passes; a difference in the query slice
+    fails. A tensor that got no gradient at all passes as rounding; a tensor may differ by ROUNDING_FACTOR x how far
+    the reference moved it, above the model's max_rel bound."""
+    (tmp_path / "one" / "probe").mkdir(parents=True)
+    (tmp_path / "two" / "probe").mkdir(parents=True)
+    peaks = {"qkv.bias": F64([0.5, 0.4, 1e-21, 2e-21, 0.3, 0.2]), "k.bias": F64([1e-22]), "w": F64([1.0, 1.0])}
+    for run in ("one", "two"):
+        torch.save(peaks, tmp_path / run / "probe" / "gradient-peaks.pt")
+
+    class Run:
+        def __init__(self, root, weights):
+            self.root, self._weights = root, weights
+
+        def weights(self):
+            return self._weights
+
+    one = {"qkv.bias": F64([0.1, 0.2, 1e-13, 0, 0.3, 0.4]), "k.bias": F64([1e-13]), "w": F64([2.0, 1.0])}
+    reordered = {**one, "w": F64([2.0, 1.0 + 4e-13])}  # the model's rounding: max_rel 2e-13, w's own 4e-13
+    runs = {
+        "1dev-fp64": Run(tmp_path / "one", one),
+        "2dev-fp64": Run(tmp_path / "two", one),
+        "1dev-acc4-fp64": Run(tmp_path / "ref", reordered),
+        "2dev-fp64-again": Run(tmp_path / "again", one),  # identical runs, bit-identical: no allowance
+    }
+    bound = fp64_bound(runs, {"micro_batch_size": 8})
+    assert bound.no_gradient["qkv.bias"].tolist() == [False, False, True, True, False, False]
+    assert bound.max_rel == 1e-12 and bound.own["w"] == pytest.approx(ROUNDING_FACTOR * 4e-13)
+    key_rounding = {**one, "qkv.bias": F64([0.1, 0.2, 2e-12, -1e-12, 0.3, 0.4]), "k.bias": F64([3e-13])}
+    assert_within(one, key_rounding, bound, "key slice")
+    assert_within(one, {**one, "w": F64([2.0, 1.0 + 1.9e-12])}, bound, "w within 5 x its own reference")
+    with pytest.raises(AssertionError, match=r"qkv.bias: max_abs 1e-09, .*OVER.*2 of 6 elements without gradient"):
+        assert_within(one, {**one, "qkv.bias": F64([0.1 + 1e-9, 0.2, 0, 0, 0.3, 0.4])}, bound, "query slice")
+    with pytest.raises(AssertionError, match=r"w: max_abs 2.1e-12"):
+        assert_within(one, {**one, "w": F64([2.0, 1.0 + 2.1e-12])}, bound, "w over its own")
+    verdicts = {v.diff.name: v for v in judge(one, key_rounding, bound)}
+    assert verdicts["k.bias"].rounding.startswith("no gradient") and not verdicts["k.bias"].over
+
+
+def test_a_float64_failure_at_rounding_scale_asks_how_far_identical_runs_end_apart():
+    """Over the bound by no more than rounding (max_rel <= ROUNDING_CEILING), the check measures how far two identical
+    runs end apart (`noise`) and allows ROUNDING_FACTOR x that per tensor; a larger difference fails at once, without
+    starting that run; bit-identical runs add nothing."""
+    one = {"w": F64([1.0, 2.0]), "b": F64([0.5])}
+    asked = []
+
+    def noise(per_tensor):
+        return lambda: asked.append(1) or Noise(per_tensor, "2dev-fp64 run again: ...")
+
+    apart = {**one, "w": F64([1.0, 2.0 + 4e-12])}  # max_rel 2e-12: over the fixed 1e-12
+    assert_within(one, apart, Bound(1e-12, noise=noise({"w": 1e-12, "b": 0.0})), "noisy runs")
+    assert asked == [1]
+    with pytest.raises(AssertionError, match=r"run to run: 2dev-fp64 run again"):
+        assert_within(one, apart, Bound(1e-12, noise=noise({"w": 0.0, "b": 0.0})), "bit-identical runs")
+    with pytest.raises(AssertionError, match=r"w: max_abs 0.002"):
+        assert_within(one, {**one, "w": F64([1.0, 2.002])}, Bound(1e-12, noise=lambda: pytest.fail("asked")), "bug")
 
 
 def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path, capsys):

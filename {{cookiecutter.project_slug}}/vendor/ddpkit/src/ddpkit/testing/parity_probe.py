@@ -138,3 +138,107 @@ class Probe(NoDropout):
         (out / f"{stage}-rank{rank}.json").write_text(json.dumps(self.record))
         if stage == "fit" and self.rank_weights:
             torch.save(pl_module.state_dict(), out / f"fit-rank{rank}.pt")
+
+
+class OneStep(NoDropout):
+    """Replays single optimizer steps from saved states: the one-step check's runs (check_onestep.py).
+
+    The run trains `batches` global batches of each of its epochs (with no validation and no checkpoints). Before
+    global batch k of the run (k = epoch x steps_per_epoch + its index in the epoch), it loads the state another run
+    saved after k global batches (`states`/step<k x steps_per_batch>.ckpt: weights, buffers such as BatchNorm's
+    statistics, optimizer and schedule) into the module and the optimizers, if there is one (global batch 0 starts
+    from this run's own initialization). Lightning then trains that batch: global batch k is the same set of samples
+    on any device count (GlobalBatchSampler), so runs on 1 and on N devices take the same step from the same state.
+    It records, per global batch, the gradients each optimizer step sees (after the all-reduce and any unscaling:
+    `on_before_optimizer_step`), the weights and buffers before and after the step, and the scalars the module
+    logged in it; rank 0 writes them to probe/onestep.pt, and every rank a digest of its weights after each step and
+    what it logged to probe/onestep-rank<r>.json (the ranks of a DDP run hold the same bits).
+
+    Args:
+        states: The folder of the saved states (another run's probe/ folder).
+        steps_per_epoch: Global batches of an epoch in the runs (the position of global batch k).
+        steps_per_batch: Optimizer steps per global batch (the saved states are named by optimizer step).
+        batches: Global batches to train in each epoch.
+    """
+
+    def __init__(self, states: str = "", steps_per_epoch: int = 1, steps_per_batch: int = 1, batches: int = 2) -> None:
+        self.states, self.steps_per_epoch, self.steps_per_batch = Path(states), steps_per_epoch, steps_per_batch
+        self.batches = batches
+        self.record: dict[int, dict] = {}
+        self.digests: dict[int, dict] = {}
+        self.current: dict | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning.pytorch.callbacks import Checkpoint
+
+        # After the data module's setup, which sets the accumulation: the loader's batches are micro-batches.
+        trainer.limit_train_batches = self.batches * trainer.accumulate_grad_batches
+        # Nothing to save: the steps' records are the result (a new list: Lightning is iterating the old one).
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, Checkpoint)]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # a later micro-batch of the same step
+        k = trainer.current_epoch * self.steps_per_epoch + batch_idx // trainer.accumulate_grad_batches
+        saved = self.states / f"step{k * self.steps_per_batch}.ckpt"
+        if k:
+            if not saved.is_file():
+                raise FileNotFoundError(f"no saved state to replay global batch {k} from: {saved}")
+            state = torch.load(saved, map_location="cpu", weights_only=False)
+            pl_module.load_state_dict(state["state_dict"])
+            for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizer_states"], strict=True):
+                optimizer.load_state_dict(optimizer_state)  # floating state cast to the parameters' dtype
+            for config, schedule in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
+                config.scheduler.load_state_dict(schedule)
+        self.current = {"before": _copy(pl_module.state_dict()), "grads": []}
+        self.record[k] = self.current
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if self.current is not None:
+            named = pl_module.named_parameters(remove_duplicate=False)  # a tied weight under each of its names
+            grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+            self.current["grads"].append(grads)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches or self.current is None:
+            return  # the step is not over
+        after = _copy(pl_module.state_dict())
+        self.current["after"] = after
+        self.current["logged"] = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        k = next(k for k, v in self.record.items() if v is self.current)
+        digests = {name: hashlib.sha1(t.numpy().tobytes()).hexdigest() for name, t in after.items()}
+        self.digests[k] = {"weights": digests, "logged": self.current["logged"]}
+        self.current = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        out = Path(trainer.default_root_dir) / "probe"
+        out.mkdir(parents=True, exist_ok=True)
+        if trainer.global_rank == 0:
+            torch.save(self.record, out / "onestep.pt")
+        (out / f"onestep-rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))
+
+
+def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: t.detach().cpu().clone() for name, t in state.items()}
+
+
+class GradientPeaks(L.Callback):
+    """Records the largest |gradient| each parameter element saw over the run (after the all-reduce), the same on
+    every rank; rank 0 writes them to probe/gradient-peaks.pt when fit ends. Elements whose peak is rounding (the
+    key's bias in attention, a bias before BatchNorm: their gradient is zero but for rounding) hold only rounding,
+    which an optimizer like AdamW turns into steps: the float64 checks leave them out (check_parity.no_gradient)."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        for name, p in pl_module.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                peak = p.grad.detach().abs()
+                self.peaks[name] = torch.maximum(self.peaks[name], peak) if name in self.peaks else peak.clone()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank == 0 and self.peaks:
+            out = Path(trainer.default_root_dir) / "probe"
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({name: t.cpu() for name, t in self.peaks.items()}, out / "gradient-peaks.pt")

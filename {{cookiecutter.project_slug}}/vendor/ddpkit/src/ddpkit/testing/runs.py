@@ -1,19 +1,24 @@
 """The real runs of the project's `main.py` the guarantee tests share, made once per session (`cpu_runs`).
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
-three waves; every run of a wave starts at once (each run is mostly start-up, which overlaps):
+three waves; the runs of a wave start at once (each run is mostly start-up, which overlaps):
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
-   ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
-   reversed): summation order alone, the rounding the float64 bounds start from.
-2. 1 and 2 devices in float32 and in bf16-mixed (and each precision's own rounding reference), `torchrun`,
-   gradient accumulation on 2 devices x 2 micro-batches (not for a module that optimizes manually), two torchrun
-   "nodes", sharded training when the module shards (the library's model_parallel preset), and, when the model
+   ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
+   or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
+   bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
+2. The one-step runs: from those states, single steps on 1 and 2 devices and on 1 device with every batch reversed,
+   in float32 and in bf16-mixed (check_onestep.py); `torchrun`, gradient accumulation on 2 devices x 2
+   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
+   module shards (the library's model_parallel preset, compared with 1 device in float32), and, when the model
    takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
    the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
    module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
    is signalled, requeued and resumed.
-A wave starts when a test first asks for one of its runs, so `pytest -k ...` starts only the waves it reads.
+And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
+(`2dev-fp64-again`): how far two identical runs end apart (check_parity.run_to_run).
+A run starts when a test first asks for it, together with the runs of its wave that the session's selected tests
+read (their `reads` declarations), so `pytest -k ...` starts only the runs it reads.
 The sizes and steps come from the configured data module and model (configured.py); steps are counted in global
 batches, and Lightning's global_step is `steps_per_batch` times that (a GAN stepping two optimizers: 2).
 
@@ -101,6 +106,10 @@ def plan(configured: dict) -> dict:
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
+        # The one-step check's points: global batches 1, n and n + 1 (0 is each run's own initialization), and the
+        # global batches its runs train in each of their 2 epochs: 0 and 1 (0 alone with a 1-batch epoch).
+        "step_points": sorted({1, n, n + 1}),
+        "step_batches": min(2, n),
     }
 
 
@@ -132,12 +141,15 @@ def schedule_args(steps: dict) -> list[str]:
     return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
-def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = False) -> list[str]:
+def run_args(
+    steps: dict, resumed_at: int | None = None, rank_weights: bool = False, saves: tuple[int, ...] = ()
+) -> list[str]:
     """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
     no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
-    their size), unless other runs resume from it at global batch `resumed_at`: then they are complete, and the
-    probe saves one at that step, and an extra checkpoint per epoch is written (only their names are checked). Each
-    rank's final weights only with `rank_weights`."""
+    their size), unless other runs resume from it at global batch `resumed_at` (or start one-step runs from it after
+    the global batches `saves`): then they are complete, the probe saves one at each of those steps, an extra
+    checkpoint per epoch is written (only their names are checked), and each parameter element's largest gradient is
+    recorded (parity_probe.GradientPeaks). Each rank's final weights only with `rank_weights`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
@@ -146,8 +158,9 @@ def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = Fa
     if rank_weights:
         args.append("--trainer.callbacks.rank_weights=true")
     if resumed_at is not None:
-        at = global_step(steps, resumed_at)
+        at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
+        args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
         args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
         args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
     return args
@@ -168,6 +181,27 @@ def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str
         *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
         *("--trainer.precision", precision, *run_args(steps, **kept), *extra, *parity_args()),
     ]
+
+
+def one_step(steps: dict, devices: int, precision: str, states: Path, *extra: str) -> list[str]:
+    """A one-step run (parity_probe.OneStep): `fit` on `devices` in `precision` training global batches 0 and 1 of
+    each of 2 epochs, each from the state in `states` (the first wave's 1-device float64 run saved them), without
+    validation, checkpoints or the doctor."""
+    return [
+        "fit",
+        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", precision),
+        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0"),
+        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
+        *("--doctor.enabled", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
+        *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['steps_per_epoch']}"),
+        f"--trainer.callbacks.steps_per_batch={steps['steps_per_batch']}",
+        f"--trainer.callbacks.batches={steps['step_batches']}",
+        *extra,
+        *parity_args(),
+    ]
+
+
+STEP_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
 
 def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[str]:
@@ -249,39 +283,90 @@ def as_cuda(run: Run, steps: dict) -> Path:
 class Wave:
     names: tuple[str, ...]
     jobs: Callable  # (Waves) -> {name: job}; may read the runs of an earlier wave
-    started: bool = False
+    started: bool = False  # its jobs are built (the runs themselves start as they are asked for)
 
 
 class Waves:
-    """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
-    selection of tests (`pytest -k ...`) starts only the runs it reads. Every run of a wave starts at once; a run
-    that fails fails the tests that read it, with its own error, and no other (a run of a later wave that starts
-    from it fails with that error too)."""
+    """The runs by name. A run starts when it is first asked for, together with the other runs of its wave that the
+    session's selected tests read (`want`; every run of the wave when nothing was declared), so that a selection of
+    tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once; a run that fails
+    fails the tests that read it, with its own error, and no other (a run of a later wave that starts from it fails
+    with that error too)."""
 
     def __init__(self, base: Path, waves: list[Wave]) -> None:
         self.base, self.waves, self.done, self.failed = base, waves, {}, {}
+        self.wanted: set[str] | None = None
+        self.jobs: dict[str, Callable] = {}  # built, not yet started
+        self.started: list[str] = []  # in the order they started
+
+    def want(self, names: set[str] | None) -> None:
+        """The runs the session's tests read (None: unknown, start every run of a wave)."""
+        self.wanted = names
 
     def __getitem__(self, name: str):
-        (wave,) = [w for w in self.waves if name in w.names]
-        if not wave.started:
-            wave.started = True
-            try:
-                jobs = wave.jobs(self)  # may read an earlier wave's run, which may have failed
-            except AssertionError as error:
-                self.failed |= dict.fromkeys(wave.names, str(error))
-            else:
-                with ThreadPoolExecutor(len(jobs)) as pool:
-                    futures = {n: pool.submit(jobs[n]) for n in jobs}
-                for n, future in futures.items():
-                    error = future.exception()
-                    if error is None:
-                        self.done[n] = future.result()
-                    else:  # a failed run, or the suite's own error making it: the tests that read it say which
-                        said = "".join(traceback.format_exception(error)[-3:])
-                        self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
+        if name not in self.done and name not in self.failed:
+            (wave,) = [w for w in self.waves if name in w.names]
+            if not wave.started:
+                wave.started = True
+                try:
+                    self.jobs |= wave.jobs(self)  # may read an earlier wave's run, which may have failed
+                except AssertionError as error:
+                    self.failed |= dict.fromkeys(wave.names, str(error))
+            if name in self.jobs:
+                self._start([n for n in wave.names if n in self.jobs and (n == name or self._wanted(n))])
         if name in self.failed:
             raise AssertionError(self.failed[name])
         return self.done[name]
+
+    def _wanted(self, name: str) -> bool:
+        return self.wanted is None or name in self.wanted
+
+    def _start(self, names: list[str]) -> None:
+        jobs = {n: self.jobs.pop(n) for n in names}
+        self.started += names
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = {n: pool.submit(jobs[n]) for n in jobs}
+        for n, future in futures.items():
+            error = future.exception()
+            if error is None:
+                self.done[n] = future.result()
+            else:  # a failed run, or the suite's own error making it: the tests that read it say which
+                said = "".join(traceback.format_exception(error)[-3:])
+                self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
+
+
+def reads(*names: str, **by_parameter: dict[str, tuple[str, ...]]) -> Callable:
+    """Declares the shared runs a check reads, so that a selection of tests starts only those (`runs_read`). A name
+    may hold `{reference}` (the float64 rounding reference's run), `{<parameter>}` (the test's parameter) or be
+    `{evaluations}` (the evaluation runs the module and data allow); `by_parameter` adds runs by a parameter's value
+    ({parameter: {value: names}})."""
+
+    def declare(check: Callable) -> Callable:
+        check.ddpkit_reads = (names, by_parameter)
+        return check
+
+    return declare
+
+
+def runs_read(items: list, steps: dict) -> set[str] | None:
+    """The runs the selected tests (pytest items) read, from their `reads` declarations; None when a test that uses
+    the runs declares nothing (then every run of a wave starts with it)."""
+    wanted: set[str] = set()
+    for item in items:
+        if "cpu_runs" not in getattr(item, "fixturenames", ()):
+            continue
+        declared = getattr(getattr(item, "function", None), "ddpkit_reads", None)
+        if declared is None:
+            return None
+        names, by_parameter = declared
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = [*names, *(n for key, runs in by_parameter.items() for n in runs.get(params.get(key), ()))]
+        for name in names:
+            if name == "{evaluations}":
+                wanted |= set(evaluation_runs(steps))
+            else:
+                wanted.add(name.format(reference=reference_run(steps, "fp64"), **params))
+    return wanted
 
 
 # Stands for the project's own config.yaml in the directory the runs without a logger start from.
@@ -298,8 +383,11 @@ def shared_runs(base: Path, steps: dict) -> Waves:
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
+    saves = tuple(steps["step_points"])  # the one-step runs' states
     first = {
-        "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"]))),
+        "1dev-fp64": run(
+            "1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], saves=saves))
+        ),
         "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"]))),
     }
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
@@ -310,25 +398,30 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     reference = reference_run(steps, "fp64")
     first[reference] = run(reference, main_cmd(*fit(steps, "cpu", 1, "64-true", *reorder)))
 
+    def first_again() -> Callable[[], Run]:
+        two = fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"])
+        return run("2dev-fp64-again", main_cmd(*two))
+
     def second(runs: Waves) -> dict:
         jobs = {
-            "1dev-fp32": run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true"))),
-            "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true", rank_weights=True))),
-            reference_run(steps, "fp32"): run(
-                reference_run(steps, "fp32"), main_cmd(*fit(steps, "cpu", 1, "32-true", *reorder))
-            ),
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
-            "1dev-bf16": run("1dev-bf16", main_cmd(*fit(steps, "cpu", 1, "bf16-mixed"))),
-            reference_run(steps, "bf16"): run(
-                reference_run(steps, "bf16"), main_cmd(*fit(steps, "cpu", 1, "bf16-mixed", *reorder))
-            ),
-            "2dev-bf16": run("2dev-bf16", main_cmd(*fit(steps, "cpu", 2, "bf16-mixed"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
+        reversed_batches = "--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"
+        try:  # from the states the 1-device float64 run saved
+            states = runs["1dev-fp64"].root / "probe"
+            for tag, precision in STEP_PRECISIONS.items():
+                for name, devices, extra in (("1dev", 1, ()), ("2dev", 2, ()), ("reversed", 1, (reversed_batches,))):
+                    jobs[f"step-{name}-{tag}"] = run(
+                        f"step-{name}-{tag}", main_cmd(*one_step(steps, devices, precision, states, *extra))
+                    )
+        except AssertionError as error:
+            jobs |= {f"step-{name}-{tag}": failed(error) for name in ONE_STEP for tag in STEP_PRECISIONS}
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
             jobs["2dev-acc2-fp64"] = run("2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)))
-        if steps["shards"]:
+        if steps["shards"]:  # and its reference: 1 device in float32 (ModelParallelStrategy has no float64)
             jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
+            jobs["1dev-fp32"] = run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true")))
         if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
             lr = (*schedule_args(steps), csv)
             for n in (1, 2):
@@ -384,18 +477,12 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         Wave(tuple(first), lambda runs: first),
         Wave(
             (
-                "1dev-fp32",
-                "2dev-fp32",
-                "1dev-acc4-fp32",
-                "1dev-reversed-fp32",
+                *(f"step-{name}-{tag}" for tag in STEP_PRECISIONS for name in ONE_STEP),
                 "torchrun-fp64",
-                "1dev-bf16",
-                "1dev-acc4-bf16",
-                "1dev-reversed-bf16",
-                "2dev-bf16",
                 "torchrun-nodes",
                 "2dev-acc2-fp64",
                 "sharded",
+                "1dev-fp32",
                 "1dev-lr-fp64",
                 "2dev-lr-fp64",
             ),
@@ -405,6 +492,8 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue"),
             third,
         ),  # fmt: skip
+        # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
+        Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
     ]
     return Waves(base, waves)
 
@@ -424,6 +513,7 @@ def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
 
 
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
+ONE_STEP = ("1dev", "2dev", "reversed")  # the one-step runs of each precision: step-<this>-<fp32|bf16>
 
 
 # The set each evaluation stage reads (configured.py's `<set>_size`).
@@ -449,6 +539,7 @@ def cluster_args(steps: dict) -> list[str]:
     must end with its weights (2 epochs; dropout off, as the probe turns it off there)."""
     return [
         *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
+        *("--trainer.log_every_n_steps", "1"),  # as the first wave's: the parity command compares their logged steps
         *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
         *parity_args(),
         "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
@@ -489,6 +580,8 @@ __all__ = [
     "global_step",
     "main_cmd",
     "plan",
+    "reads",
     "remove_checkpoints",
+    "runs_read",
     "shared_runs",
 ]
