@@ -11,6 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit.testing.parity_probe import batch_len
 from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
@@ -542,11 +543,11 @@ def split(batch) -> tuple:
 
 
 class SummedLoss:
-    """The loss summed over the batch: DDP averages gradients over ranks, so 2 devices take half the step."""
+    """The loss summed over the batch (the family's mean loss times the samples): DDP averages gradients over ranks,
+    so 2 devices take half the step."""
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        x, y = split(batch)
-        return F.cross_entropy(self(x), y, reduction="sum")
+        return super().training_step(batch, batch_idx) * batch_len(batch)
 
 
 class UnsyncedMetric:
@@ -556,6 +557,25 @@ class UnsyncedMetric:
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = split(batch)
         logits = self(x)
+        self.accs["val"].update(logits, y)
+        self.log("val/acc", self.accs["val"])
+        self.log("val/loss", F.cross_entropy(logits, y))
+
+
+class UnsyncedLogs:
+    """The training loss logged every step and the validation loss as each batch's mean, neither synced: each rank
+    logs its own share's (the accuracy, which the checkpoint monitors, stays a synced metric)."""
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss_unsynced", loss.detach(), on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = split(batch)
+        logits = self(x)
+        if logits.dim() == 3:  # a language model's (B, T, vocabulary): one prediction a token
+            logits, y = logits.flatten(0, 1), y.flatten()
         self.accs["val"].update(logits, y)
         self.log("val/acc", self.accs["val"])
         self.log("val/loss", F.cross_entropy(logits, y))
@@ -575,3 +595,37 @@ class UnsyncedMetricResNet18(UnsyncedMetric, ResNet18):
 
 class UnsyncedMetricBert(UnsyncedMetric, TinyBert):
     """TinyBert with an unsynced validation loss."""
+
+
+# Two bugs in one model where each fails its own checks: a summed loss (the gradient, the weights) and unsynced logs
+# (the values logged, on the ranks and in validation); BatchNorm left unsynchronized is the config's.
+class BuggyToy(UnsyncedLogs, SummedLoss, ToyClassifier):
+    """The toy's MLP (the digits example's network and optimizer) with a summed loss and unsynced logs."""
+
+
+class BuggyResNet18(UnsyncedLogs, SummedLoss, ResNet18):
+    """ResNet18 with a summed loss and unsynced logs."""
+
+
+class BuggyGPT2(UnsyncedLogs, SummedLoss, GPT2):
+    """GPT2 with a summed loss and unsynced logs."""
+
+
+class UnsyncedLogsResNet18(UnsyncedLogs, ResNet18):
+    """ResNet18 with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
+
+
+class UnsyncedLogsSmallBatchNormCNN(UnsyncedLogs, SmallBatchNormCNN):
+    """SmallBatchNormCNN with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
+
+
+class UnsyncedLogsMobileNetV3Small(UnsyncedLogs, MobileNetV3Small):
+    """MobileNetV3Small with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
+
+
+class SummedLossSmallBatchNormCNN(SummedLoss, SmallBatchNormCNN):
+    """SmallBatchNormCNN with a summed loss."""
+
+
+class SummedLossMobileNetV3Small(SummedLoss, MobileNetV3Small):
+    """MobileNetV3Small with a summed loss."""

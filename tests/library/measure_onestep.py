@@ -1,23 +1,34 @@
 """Measure one optimizer step from the same saved state on 1 and 2 devices against its rounding (not a test).
 
     python tests/library/measure_onestep.py MODEL DATA SEEDS... [-- main.py arguments]
+    python tests/library/measure_onestep.py --report FOLDER...
 
-For each seed: a float64 1-device fit that saves its state after global batches 1, n and n + 1 (n a epoch's), then
-in float32 and in bf16-mixed the one-step replays (parity_probe.OneStep) of global batches 0, 1, n, n + 1 on 1
-device, on 2 devices, on 1 device with every batch reversed and on 1 device with 2 micro-batches; prints per point
-and tensor kind the ratios the one-step check's factor is set from (docs/measurements.md, "The one-step check").
+For each seed: a float64 1-device fit of test_model_families.py's data (4 global batches of 32 an epoch) that saves
+its state after global batches 1, 4 and 5 and its gradients' peaks, then the one-step runs (parity_probe.OneStep) of
+global batches 0, 1, 4 and 5: in float32 and in bf16-mixed on 1 and on 2 devices, and on 1 device in float64 (each
+step's own rounding). Prints, per precision and kind (gradient, after the step, logged), the factor over that
+rounding which 2 devices needed (check_onestep.step_verdicts with factor 1; the worst tensor of any point): the
+numbers behind ONE_STEP_FACTOR (docs/measurements.md, "The one-step check"). --report prints them again for the
+folders of earlier runs.
 """
 
-import json
+import math
 import sys
 import tempfile
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from procs import TESTS, finish, start
 
+from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
+from ddpkit.testing.check_parity import NO_GRADIENT
+
 SIZES = ["--data.global_batch_size", "32", "--data.train_size", "128"]
+N = 4  # global batches an epoch
+RUNS = {"fp32-1": ("32-true", 1), "fp32-2": ("32-true", 2), "bf16-1": ("bf16-mixed", 1), "bf16-2": ("bf16-mixed", 2),
+        "exact": ("64-true", 1)}  # fmt: skip
 
 
 def fit(root: Path, model: str, data: str, seed: int, devices: int, precision: str, extra: list[str]) -> Path:
@@ -30,52 +41,55 @@ def fit(root: Path, model: str, data: str, seed: int, devices: int, precision: s
     return root
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    extra = args[args.index("--") + 1 :] if "--" in args else []
-    args = args[: args.index("--")] if "--" in args else args
-    model, data, seeds = args[0], args[1], [int(s) for s in args[2:]]
+def measure(model: str, data: str, seeds: list[int], extra: list[str]) -> Path:
     base = Path(tempfile.mkdtemp(prefix=f"onestep-{model.split('.')[-1]}-"))
-    n = 4  # 128 samples / 32
-    rows = []
     for seed in seeds:
         saving = ["--trainer.callbacks+=ddpkit.testing.parity_probe.Probe", "--trainer.callbacks.resumable=true",
-                  f"--trainer.callbacks.save_at_steps=[1,{n},{n + 1}]", *extra]  # fmt: skip
+                  f"--trainer.callbacks.save_at_steps=[1,{N},{N + 1}]",
+                  "--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks", *extra]  # fmt: skip
         states = fit(base / f"{seed}-fp64", model, data, seed, 1, "64-true", saving) / "probe"
         replay = ["--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep", f"--trainer.callbacks.states={states}",
-                  f"--trainer.callbacks.steps_per_epoch={n}", "--trainer.limit_val_batches", "0", *extra]  # fmt: skip
-        jobs = {}
-        for precision in ("32-true", "bf16-mixed"):
-            for name, devices, more in (
-                ("1", 1, []),
-                ("2", 2, []),
-                ("rev", 1, ["--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"]),
-            ):
-                jobs[precision, name] = (base / f"{seed}-{precision}-{name}", devices, precision, [*replay, *more])
+                  f"--trainer.callbacks.steps_per_epoch={N}", "--trainer.limit_val_batches", "0", *extra]  # fmt: skip
         with ThreadPoolExecutor(2) as pool:
-            futures = {key: pool.submit(fit, r, model, data, seed, d, p, e) for key, (r, d, p, e) in jobs.items()}
-        records = {key: torch.load(f.result() / "probe" / "onestep.pt", weights_only=False) for key, f in futures.items()}
-        for precision in ("32-true", "bf16-mixed"):
-            rec = {name: records[precision, name] for name in ("1", "2", "rev")}
-            eps = torch.finfo(torch.bfloat16 if precision == "bf16-mixed" else torch.float32).eps
-            for k in rec["1"]:
-                for kind in ("grads", "update"):
-                    for name in rec["1"][k]["after"] if kind == "update" else rec["1"][k]["grads"][0]:
-                        def get(r):
-                            p = rec[r][k]
-                            if kind == "grads":
-                                return p["grads"][0][name].double()
-                            return (p["after"][name].double() - p["before"][name].double())
-                        a = get("1")
-                        if not a.is_floating_point() or a.numel() == 0:
-                            continue
-                        scale = a.abs().max().item()
-                        d12, drev = ((a - get(r)).abs().max().item() for r in ("2", "rev"))
-                        rows.append(dict(seed=seed, precision=precision, k=k, kind=kind, name=name, scale=scale,
-                                         d12=d12, drev=drev, floor=eps * scale))  # fmt: skip
-    out = base / "rows.json"
-    out.write_text(json.dumps(rows))
-    print(f"rows: {out}")
+            runs = [pool.submit(fit, base / f"{seed}-{n}", model, data, seed, *RUNS[n][::-1], replay) for n in RUNS]
+        for run in runs:
+            run.result()  # a failed run says so
+    return base
+
+
+def report(bases: list[Path]) -> None:
+    worst: dict = defaultdict(lambda: (0.0, ""))
+    for base in bases:
+        model = base.name.split("-")[1]
+        for seed in sorted(p.name.split("-")[0] for p in base.glob("*-fp64")):
+            peaks = torch.load(base / f"{seed}-fp64" / "probe" / "gradient-peaks.pt")
+            top = max(t.max().item() for t in peaks.values())
+            masks = {n: t <= NO_GRADIENT * top for n, t in peaks.items()}  # the 1-device run's alone
+            exact = torch.load(base / f"{seed}-exact" / "probe" / "onestep.pt", weights_only=False)
+            for tag in ("fp32", "bf16"):
+                one, two = (torch.load(base / f"{seed}-{tag}-{n}" / "probe" / "onestep.pt", weights_only=False)
+                            for n in (1, 2))  # fmt: skip
+                # With the factor's own masks (elements with rounding-level gradients), the factor each needed.
+                for k, what, v in step_verdicts(one, two, exact, tag, masks, ONE_STEP_FACTOR):
+                    if v.rounding:
+                        continue
+                    needed = ONE_STEP_FACTOR * v.diff.max_abs / v.bound if v.bound else math.inf * v.diff.max_abs
+                    if not needed <= worst[model, tag, what][0]:
+                        worst[model, tag, what] = (needed, f"seed {seed}, global batch {k}: {v}")
+    for (model, tag, what), (needed, where) in sorted(worst.items()):
+        print(f"{model:20} {tag} {what:9} needed {needed:7.3g}  ({where})")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args[0] == "--report":
+        report([Path(a) for a in args[1:]])
+        return
+    extra = args[args.index("--") + 1 :] if "--" in args else []
+    args = args[: args.index("--")] if "--" in args else args
+    base = measure(args[0], args[1], [int(s) for s in args[2:]], extra)
+    print(f"runs: {base}")
+    report([base])
 
 
 if __name__ == "__main__":

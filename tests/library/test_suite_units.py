@@ -2,6 +2,7 @@
 versions, the collective timeout, the progress bar's default, the requeue checkpoint's name."""
 
 import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -23,8 +24,9 @@ from ddpkit.testing.check_parity import (
     fp64_bound,
     judge,
 )
+from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
 from ddpkit.testing.configured import switch_off
-from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints
+from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -229,6 +231,57 @@ def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path,
     assert "bias: max_abs 2e-16, max_rel 2 (at rounding level)" in out and "PASS: worst max_rel 0 " in out
 
 
+def write_run(root: Path, tensorboard: dict[str, float] | None = None, csv: dict[str, float] | None = None) -> str:
+    """A run folder as the parity command reads it: equal weights, and logged values at steps 0 and 1 (the second
+    value given) in a TensorBoard file (stored as float32) and/or a metrics.csv (as written)."""
+    (root / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}}, root / "checkpoints" / "last.ckpt")
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(root)) as writer:
+            for tag, value in tensorboard.items():
+                writer.add_scalar(tag, 1.0, 0)
+                writer.add_scalar(tag, value, 1)
+    if csv:
+        rows = [f"{step},{value!r}" for step, value in ((0, 1.0), (1, next(iter(csv.values()))))]
+        (root / "metrics.csv").write_text(f"step,{next(iter(csv))}\n" + "\n".join(rows) + "\n")
+    return str(root)
+
+
+def test_compare_command_judges_tensorboard_values_at_float32s_resolution(tmp_path, capsys):
+    """TensorBoard stores float32: two float64 runs whose epoch loss is one float32 step apart (issue 43: 1.19e-7 at
+    a value near 2) pass at --rel-tol 1e-12; a value 1e-4 apart fails. metrics.csv, when both runs have the tag
+    there, is read instead, at full precision: 1e-10 apart fails at 1e-12; the output says where each came from."""
+    step = 2.0 - 1.1920928955078125e-07  # the float32 just below 2
+    one = write_run(tmp_path / "one", tensorboard={"train/loss_epoch": 2.0})
+    two = write_run(tmp_path / "two", tensorboard={"train/loss_epoch": step})
+    far = write_run(tmp_path / "far", tensorboard={"train/loss_epoch": 2.0001})
+    assert compare_main([one, two, "--rel-tol", "1e-12"]) == 0
+    assert "(0 from metrics.csv, 1 from TensorBoard; float32 values" in capsys.readouterr().out
+    assert compare_main([one, far, "--rel-tol", "1e-12"]) == 1
+    assert "train/loss_epoch: max_abs 9.99e-05, max_rel 4.99e-05 (OVER" in capsys.readouterr().out
+    full = write_run(tmp_path / "full", tensorboard={"val/loss": 2.0}, csv={"val/loss": 1.5})
+    near = write_run(tmp_path / "near", tensorboard={"val/loss": 2.0}, csv={"val/loss": 1.5 + 1e-10})
+    assert compare_main([full, near, "--rel-tol", "1e-12"]) == 1
+    assert "(1 from metrics.csv, 0 from TensorBoard;" in capsys.readouterr().out
+
+
+def test_compare_command_ends_runs_that_cannot_be_compared_with_one_error_line(tmp_path, capsys):
+    """Runs whose logged tags differ, or a folder without the checkpoint, end in one `error:` line and exit 2, not a
+    traceback."""
+    one = write_run(tmp_path / "one", tensorboard={"train_loss": 2.0, "val_loss": 1.0})
+    other = write_run(tmp_path / "other", tensorboard={"train/loss": 2.0})
+    assert compare_main([one, other]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the runs logged different tags: only in a ['train_loss'")
+    assert compare_main([one, str(tmp_path / "nothing")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {tmp_path / 'nothing'} is not a directory (a run's lightning_logs/version_N)\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("given", "says"),
     [
@@ -287,6 +340,97 @@ def test_a_failed_run_fails_only_the_tests_that_read_it():
     assert runs["good"] == 1 and runs["from-good"] == 2
     with pytest.raises(AssertionError, match="^starts from a run that failed: run bad exited 1"):
         runs["from-bad"]
+
+
+def test_a_run_starts_with_the_runs_of_its_wave_the_selected_tests_read():
+    """Asking for a run starts it with the runs of its wave the session's tests declared (`want`), not the whole
+    wave; a run of a later wave that reads an earlier one starts that one first; a run asked for later starts then."""
+    started: list[str] = []
+
+    def job(name: str):
+        return lambda: started.append(name) or name
+
+    first = Wave(("a1", "a2", "a3"), lambda runs: {n: job(n) for n in ("a1", "a2", "a3")})
+
+    def second_jobs(runs: Waves) -> dict:
+        runs["a1"]  # the jobs start from it, as the one-step runs from the 1-device float64 run's states
+        return {"b1": job("b1"), "b2": job("b2")}
+
+    second = Wave(("b1", "b2"), second_jobs)
+    runs = Waves(Path("."), [first, second])
+    runs.want({"a1", "b2"})
+    runs["b2"]
+    assert started == ["a1", "b2"] and runs.started == ["a1", "b2"]
+    assert runs["a2"] == "a2" and started == ["a1", "b2", "a2"]  # not declared: started when asked for, alone
+    everything = Waves(Path("."), [Wave(("c1", "c2"), lambda runs: {"c1": job("c1"), "c2": job("c2")})])
+    everything["c1"]  # nothing declared: the whole wave
+    assert everything.started == ["c1", "c2"]
+
+
+def test_every_guarantee_that_reads_runs_declares_them():
+    """Each test of the suite that reads the shared runs declares which (runs.reads), so that selecting it starts
+    those alone; the schedule's test, selected alone, reads its 2 runs and the first wave's 3, not the 14 of every
+    wave it used to start."""
+    from ddpkit.testing import guarantees
+
+    class Item:
+        def __init__(self, function, params=None):
+            self.function, self.fixturenames = function, list(inspect.signature(function).parameters)
+            self.callspec = type("CallSpec", (), {"params": params or {}})()
+
+    checks = [getattr(guarantees, name) for name in guarantees.__all__]
+    undeclared = [
+        c.__name__ for c in checks if "cpu_runs" in inspect.signature(c).parameters and not hasattr(c, "ddpkit_reads")
+    ]
+    assert not undeclared
+    steps = plan({"steps_per_epoch": 4, "global_batch_size": 32, "takes_micro_batch_size": True, "stages": []})
+    schedule = Item(guarantees.test_lr_schedule_is_the_same_on_1_and_2_devices)
+    assert runs_read([schedule], steps) == {"1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", "1dev-acc4-fp64"}
+    accumulation = Item(guarantees.test_gradient_accumulation_keeps_the_global_batch, {"run": "2dev-acc2-fp64"})
+    eval_test = Item(guarantees.test_eval_metrics_count_each_sample_once, {"stage": "test"})
+    assert runs_read([accumulation, eval_test], steps) == {
+        "2dev-acc2-fp64", "1dev-fp64", "2dev-fp64", "1dev-acc4-fp64", "test-1dev", "test-2dev"
+    }  # fmt: skip
+    assert runs_read([Item(lambda cpu_runs: None)], steps) is None  # undeclared: whole waves
+
+
+def step(grad: list[float], before: list[float], after: list[float], loss: float, bias_grad: float = 0.0) -> dict:
+    """One one-step record: a weight `w` (float32, as in float32 and bf16-mixed runs; float64 for the exact step is
+    the same numbers), a `bias` that gets no gradient, and the logged loss."""
+    f32 = functools.partial(torch.tensor, dtype=torch.float32)
+    return {
+        "before": {"w": f32(before), "bias": f32([0.0])},
+        "grads": [{"w": f32(grad), "bias": f32([bias_grad])}],
+        "after": {"w": f32(after), "bias": f32([bias_grad])},
+        "logged": {"train/loss": loss},
+    }
+
+
+def test_one_step_bounds_come_from_the_exact_step_at_least_one_unit_of_the_precision():
+    """2 devices' gradient is judged against how far 1 device's is from the float64 step's (at least bf16's eps x the
+    largest entry): bf16's own rounding passes, half the gradient (a summed loss) fails; an element whose gradient
+    is rounding's in both runs is left out of the weights after the step (AdamW steps by its sign); a tensor without
+    gradient in float64 is rounding; a logged value differing past its bound fails."""
+    exact = {0: step([1.0, 0.5, 1e-6], [0.0] * 3, [-1e-3, -1e-3, -1e-3], 2.0)}
+    one = {0: step([1.0, 0.5, 2e-6], [0.0] * 3, [-1e-3, -1e-3, -1e-3], 2.0, bias_grad=1e-9)}
+    rounded = {0: step([1.0 + 2**-8, 0.5, -2e-6], [0.0] * 3, [-1e-3, -1e-3, 1e-3], 2.0, bias_grad=-3e-9)}
+    halved = {0: step([0.5, 0.25, 1e-6], [0.0] * 3, [-1e-3, -1e-3, -1e-3], 2.0)}
+    no_gradient = {"bias": torch.tensor([True]), "w": torch.tensor([False, False, False])}
+
+    def verdicts(two, precision="bf16"):
+        return {(what, v.diff.name): v for _, what, v in step_verdicts(one, two, exact, precision, no_gradient)}
+
+    passed = verdicts(rounded)
+    assert not any(v.over for v in passed.values())
+    assert passed["gradient", "w"].bound == pytest.approx(ONE_STEP_FACTOR * torch.finfo(torch.bfloat16).eps)
+    assert passed["after", "w"].note == "1 of 3 elements with rounding-level gradients left out"  # the third's sign
+    assert passed["gradient", "bias"].rounding == "no gradient in float64"
+    assert verdicts(halved)["gradient", "w"].over and verdicts(rounded, "fp32")["gradient", "w"].over
+    logged = verdicts({0: {**rounded[0], "logged": {"train/loss": 2.01}}})["logged", "train/loss"]
+    assert (
+        logged.over
+        and not verdicts({0: {**rounded[0], "logged": {"train/loss": 2.0 + 4e-7}}})["logged", "train/loss"].over
+    )
 
 
 def test_a_run_whose_port_was_taken_starts_again(tmp_path):

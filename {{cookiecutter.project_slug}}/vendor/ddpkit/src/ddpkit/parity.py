@@ -176,7 +176,8 @@ def scalar_diffs(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[i
         if a[tag].keys() != b[tag].keys():
             raise ValueError(f"{tag}: logged at steps {sorted(a[tag])} vs {sorted(b[tag])}")
         steps = sorted(a[tag])
-        diffs.append(diff(tag, torch.tensor([a[tag][s] for s in steps]), torch.tensor([b[tag][s] for s in steps])))
+        values = [torch.tensor([run[tag][s] for s in steps], dtype=torch.float64) for run in (a, b)]  # as logged
+        diffs.append(diff(tag, *values))
     return worst_first(diffs)
 
 
@@ -333,7 +334,7 @@ def compare(args: argparse.Namespace) -> int:
             print(f"reference: reordering moved weights by max_rel {ref.max_rel:.3g}: not rounding, not used")
     verdicts = [
         Verdict(d, max(weights_tol * a[d.name].abs().max().item() if a[d.name].numel() else 0.0, own.get(d.name, 0)),
-                "at rounding level" if d.max_abs <= abs_tol else "")
+                "at rounding level" if 0 < abs_tol and d.max_abs <= abs_tol else "")
         for d in weights
     ]  # fmt: skip
     tags = [

@@ -6,8 +6,8 @@ three waves; the runs of a wave start at once (each run is mostly start-up, whic
    ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
    or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
    bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
-2. The one-step runs: from those states, single steps on 1 and 2 devices and on 1 device with every batch reversed,
-   in float32 and in bf16-mixed (check_onestep.py); `torchrun`, gradient accumulation on 2 devices x 2
+2. The one-step runs: from those states, single steps on 1 and 2 devices in float32 and in bf16-mixed, and on 1
+   device in float64 (check_onestep.py); `torchrun`, gradient accumulation on 2 devices x 2
    micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
    module shards (the library's model_parallel preset, compared with 1 device in float32), and, when the model
    takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
@@ -220,10 +220,11 @@ PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 PORT_RETRIES = 2
 
 
-def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Callable[[], Run]:
+def command(cmd: list[str], root: Path, log: Path, timeout: float = 420, ranks: int = 1) -> Callable[[], Run]:
     """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
     non-zero exit (its error line first) or after `timeout` seconds (killing all it started). A run of main.py is
-    forked from the fork server (helpers.run_main); other commands (torchrun) start as they are."""
+    forked from the fork server (helpers.run_main; with `ranks` 2, both of its ranks, as torchrun would start
+    them); other commands (torchrun) start as they are."""
     before: set[Path] = set()  # what the folder held before the run (a copied run to continue, a config.yaml)
 
     def once() -> subprocess.CompletedProcess:
@@ -231,7 +232,7 @@ def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Call
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         full = [*cmd, "--trainer.default_root_dir", str(root)]
         if full[1] == str(main_py()):
-            return run_main(*full[2:], cwd=root, timeout=timeout, log=log)
+            return run_main(*full[2:], cwd=root, timeout=timeout, log=log, ranks=ranks)
         result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)  # one thread a process: shared cores
         log.write_text(result.stdout)
         return result
@@ -378,8 +379,12 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     steps.json (what the suite measured of the configured model and data)."""
     (base / "steps.json").write_text(json.dumps(steps, indent=1))
 
-    def run(name: str, cmd: list[str], root: Path | None = None) -> Callable[[], Run]:
-        return command(cmd, root or base / name, base / f"{name}.log")
+    def run(name: str, cmd: list[str], root: Path | None = None, ranks: int = 1) -> Callable[[], Run]:
+        return command(cmd, root or base / name, base / f"{name}.log", ranks=ranks)
+
+    # 2-device runs other than 2dev-fp64 (Lightning's launcher, as users run it: starting rank 1 as a fresh process)
+    # have both ranks forked (~5 CPU-s of imports less each; the ranks then train as torchrun's would).
+    forked = 2
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
@@ -407,25 +412,26 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
-        reversed_batches = "--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches"
-        try:  # from the states the 1-device float64 run saved
+        try:  # from the states the 1-device float64 run saved; float64's step is the exact one
             states = runs["1dev-fp64"].root / "probe"
-            for tag, precision in STEP_PRECISIONS.items():
-                for name, devices, extra in (("1dev", 1, ()), ("2dev", 2, ()), ("reversed", 1, (reversed_batches,))):
-                    jobs[f"step-{name}-{tag}"] = run(
-                        f"step-{name}-{tag}", main_cmd(*one_step(steps, devices, precision, states, *extra))
-                    )
+            for name in ONE_STEP:
+                devices = 2 if "-2dev-" in name else 1
+                precision = {**STEP_PRECISIONS, "fp64": "64-true"}[name.split("-")[-1]]
+                jobs[name] = run(name, main_cmd(*one_step(steps, devices, precision, states)), ranks=devices)
         except AssertionError as error:
-            jobs |= {f"step-{name}-{tag}": failed(error) for name in ONE_STEP for tag in STEP_PRECISIONS}
+            jobs |= dict.fromkeys(ONE_STEP, failed(error))
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
-            jobs["2dev-acc2-fp64"] = run("2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)))
+            jobs["2dev-acc2-fp64"] = run(
+                "2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)), ranks=forked
+            )
         if steps["shards"]:  # and its reference: 1 device in float32 (ModelParallelStrategy has no float64)
             jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
             jobs["1dev-fp32"] = run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true")))
         if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
             lr = (*schedule_args(steps), csv)
             for n in (1, 2):
-                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", main_cmd(*fit(steps, "cpu", n, "64-true", *lr)))
+                cmd = main_cmd(*fit(steps, "cpu", n, "64-true", *lr))
+                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", cmd, ranks=n)
         return jobs
 
     def third(runs: Waves) -> dict:
@@ -460,11 +466,13 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
             "predict-1dev": run("predict-1dev", main_cmd(*evaluate(steps, "predict", 1, last)), base / "eval"),
-            "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best)))),
-            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last))),
+            "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best))), ranks=forked),
+            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last)), ranks=forked),
         }
         return jobs | {
-            "resume-1to2": run("resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at))),
+            "resume-1to2": run(
+                "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)), ranks=forked
+            ),
             **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
             # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
             "continue": run(
@@ -477,7 +485,7 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         Wave(tuple(first), lambda runs: first),
         Wave(
             (
-                *(f"step-{name}-{tag}" for tag in STEP_PRECISIONS for name in ONE_STEP),
+                *ONE_STEP,
                 "torchrun-fp64",
                 "torchrun-nodes",
                 "2dev-acc2-fp64",
@@ -513,7 +521,8 @@ def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
 
 
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
-ONE_STEP = ("1dev", "2dev", "reversed")  # the one-step runs of each precision: step-<this>-<fp32|bf16>
+# The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step).
+ONE_STEP = ("step-1dev-fp32", "step-2dev-fp32", "step-1dev-bf16", "step-2dev-bf16", "step-1dev-fp64")
 
 
 # The set each evaluation stage reads (configured.py's `<set>_size`).
