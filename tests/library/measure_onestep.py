@@ -5,9 +5,9 @@
 
 For each seed: a float64 1-device fit of test_model_families.py's data (4 global batches of 32 an epoch) that saves
 its state after global batches 1, 4 and 5 and its gradients' peaks, then the one-step runs (parity_probe.OneStep) of
-global batches 0, 1, 4 and 5: in float32 and in bf16-mixed on 1 and on 2 devices, and on 1 device in float64 (each
-step's own rounding). Prints, per precision and kind (gradient, after the step, logged), the factor over that
-rounding which 2 devices needed (check_onestep.step_verdicts with factor 1; the worst tensor of any point): the
+global batches 0 (trained, not judged), 1, 4 and 5: in float32 and in bf16-mixed on 1 and on 2 devices, and on 1
+device in float64 (each step's own rounding). Prints, per precision and kind (gradient, after the step, logged), the
+factor over that rounding which 2 devices needed (check_onestep.step_verdicts; the worst tensor of any point): the
 numbers behind ONE_STEP_FACTOR (docs/measurements.md, "The one-step check"). --report prints them again for the
 folders of earlier runs.
 """
@@ -73,7 +73,7 @@ def report(bases: list[Path]) -> None:
                 for k, what, v in step_verdicts(one, two, exact, tag, masks, ONE_STEP_FACTOR):
                     if v.rounding:
                         continue
-                    needed = ONE_STEP_FACTOR * v.diff.max_abs / v.bound if v.bound else math.inf * v.diff.max_abs
+                    needed = ONE_STEP_FACTOR * v.apart / v.bound if v.bound else math.inf * v.apart
                     if not needed <= worst[model, tag, what][0]:
                         worst[model, tag, what] = (needed, f"seed {seed}, global batch {k}: {v}")
     for (model, tag, what), (needed, where) in sorted(worst.items()):

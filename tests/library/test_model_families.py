@@ -181,7 +181,7 @@ def one_step_margin(suite: Suite, precision: str) -> float:
     """How far outside the one-step check's bound 2 devices' gradients are: the worst gradient over its bound."""
     records = [check_onestep.records(run) for run in check_onestep.step_runs(suite.runs, precision)]
     verdicts = check_onestep.step_verdicts(*records, precision, check_parity.no_gradient(suite.runs))
-    return max(v.diff.max_abs / v.bound for _, what, v in verdicts if what == "gradient" and not v.rounding)
+    return max(v.apart / v.bound for _, what, v in verdicts if what == "gradient" and not v.rounding)
 
 
 # The least factor by which the gradient of a summed loss or of unsynchronized BatchNorm lands outside the one-step
