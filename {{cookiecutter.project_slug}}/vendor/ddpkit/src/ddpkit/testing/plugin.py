@@ -11,10 +11,11 @@ import pytest
 # The suite's modules hold plain asserts; have pytest show the values in them, as in a test file. Before they
 # are imported: rewriting happens at import.
 pytest.register_assert_rewrite(
-    *(f"ddpkit.testing.{m}" for m in ("check_cli", "check_multinode", "check_parity", "check_sharded")),
+    *(f"ddpkit.testing.{m}" for m in ("check_cli", "check_data", "check_multinode", "check_parity", "check_sharded")),
     *(f"ddpkit.testing.{m}" for m in ("configured", "fake_cluster", "helpers", "runs")),
 )
 
+from .check_data import data_gate, unused_skip  # noqa: E402
 from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .helpers import set_project  # noqa: E402
@@ -78,7 +79,11 @@ def global_batch(configured, pytestconfig) -> dict:
 
 @pytest.fixture(scope="session")
 def steps(global_batch) -> dict:
-    """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan)."""
+    """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan). Every
+    test that needs runs skips, pointing at the check that says why, where DDP would stop at its first step."""
+    reason = unused_skip(global_batch)
+    if reason:
+        pytest.skip(reason)
     return plan(global_batch)
 
 
@@ -86,7 +91,7 @@ def steps(global_batch) -> dict:
 def cpu_runs(tmp_path_factory, steps) -> Waves:
     """Every CPU run the suite reads, by name, started a wave at a time on first use (runs.py). At the end of the
     session their checkpoints are deleted (the logs stay), and the summary says how much they were."""
-    runs = shared_runs(tmp_path_factory.mktemp("runs"), steps)
+    runs = shared_runs(tmp_path_factory.mktemp("runs"), steps, data_gate)
     yield runs
     weights = runs.done["1dev-fp64"].weights() if "1dev-fp64" in runs.done else {}
     files = remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))

@@ -132,12 +132,15 @@ def schedule_args(steps: dict) -> list[str]:
     return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
-def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = False) -> list[str]:
+def run_args(
+    steps: dict, resumed_at: int | None = None, rank_weights: bool = False, fingerprints: bool = False
+) -> list[str]:
     """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
     no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
     their size), unless other runs resume from it at global batch `resumed_at`: then they are complete, and the
     probe saves one at that step, and an extra checkpoint per epoch is written (only their names are checked). Each
-    rank's final weights only with `rank_weights`."""
+    rank's final weights only with `rank_weights`; each rank's fingerprints of its datasets, compared before
+    training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
@@ -145,6 +148,8 @@ def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = Fa
     ]
     if rank_weights:
         args.append("--trainer.callbacks.rank_weights=true")
+    if fingerprints:
+        args.append("--trainer.callbacks.fingerprint_data=true")
     if resumed_at is not None:
         at = global_step(steps, resumed_at)
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
@@ -256,12 +261,26 @@ class Waves:
     """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
     selection of tests (`pytest -k ...`) starts only the runs it reads. Every run of a wave starts at once; a run
     that fails fails the tests that read it, with its own error, and no other (a run of a later wave that starts
-    from it fails with that error too)."""
+    from it fails with that error too). `gate`, asked once the first wave has run, may give a reason its runs cannot
+    be compared (check_data.data_gate: the ranks hold different data): then every test that asks for a run skips
+    with it, and no later wave starts."""
 
-    def __init__(self, base: Path, waves: list[Wave]) -> None:
-        self.base, self.waves, self.done, self.failed = base, waves, {}, {}
+    def __init__(self, base: Path, waves: list[Wave], gate: Callable[["Waves"], str] | None = None) -> None:
+        self.base, self.waves, self.done, self.failed, self.gate = base, waves, {}, {}, gate
+        self.stopped = ""
 
     def __getitem__(self, name: str):
+        if not self.stopped:
+            self.folder(name)
+        if self.stopped:
+            pytest.skip(self.stopped)
+        if name in self.failed:
+            raise AssertionError(self.failed[name])
+        return self.done[name]
+
+    def folder(self, name: str) -> Path:
+        """The folder of run `name`, once its wave has run, whether the run succeeded or failed (for a check that
+        reads what a failed run left)."""
         (wave,) = [w for w in self.waves if name in w.names]
         if not wave.started:
             wave.started = True
@@ -279,18 +298,18 @@ class Waves:
                     else:  # a failed run, or the suite's own error making it: the tests that read it say which
                         said = "".join(traceback.format_exception(error)[-3:])
                         self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
-        if name in self.failed:
-            raise AssertionError(self.failed[name])
-        return self.done[name]
+            if wave is self.waves[0] and self.gate is not None:
+                self.stopped = self.gate(self)
+        return self.base / name
 
 
 # Stands for the project's own config.yaml in the directory the runs without a logger start from.
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-def shared_runs(base: Path, steps: dict) -> Waves:
+def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None) -> Waves:
     """Every CPU run the suite reads (see the module's docstring), under `base`, with the steps they follow in
-    steps.json (what the suite measured of the configured model and data)."""
+    steps.json (what the suite measured of the configured model and data); `gate`: see Waves."""
     (base / "steps.json").write_text(json.dumps(steps, indent=1))
 
     def run(name: str, cmd: list[str], root: Path | None = None) -> Callable[[], Run]:
@@ -299,8 +318,14 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
     first = {
-        "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"]))),
-        "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"]))),
+        "1dev-fp64": run(
+            "1dev-fp64",
+            main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], fingerprints=True)),
+        ),
+        "2dev-fp64": run(
+            "2dev-fp64",
+            main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"], fingerprints=True)),
+        ),
     }
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
@@ -406,7 +431,7 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             third,
         ),  # fmt: skip
     ]
-    return Waves(base, waves)
+    return Waves(base, waves, gate)
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
