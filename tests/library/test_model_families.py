@@ -1,11 +1,16 @@
 """The guarantee suite's first-wave checks catch the classic DDP bugs in the models users bring (families.py): a
 loss summed over the batch, BatchNorm without synchronized statistics, a validation metric logged without syncing,
 each injected into a ResNet-18 (BatchNorm, GroupNorm) and a BERT, whose bounds their own rounding loosens; and the
-toy's MLP on a streaming data module passes them. The checks are the suite's own functions, given the runs the
-suite's fixtures would make (1 and 2 devices in float64, and the rounding reference). The correct models' whole
-suites: test_suite_on_families.py."""
+toy's MLP on a streaming data module passes them. An LSTM over sentences padded to each batch's longest passes them
+too (data_families.py), and the same sentences built differently in each process (a vocabulary in a set's order, an
+unseeded shuffle) fail the check that the ranks hold the same data, at the index where they first differ. The checks
+are the suite's own functions, given the runs the suite's fixtures would make (1 and 2 devices in float64, and the
+rounding reference). The correct models' whole suites: test_suite_on_families.py."""
 
 import inspect
+import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -13,8 +18,9 @@ from typing import NamedTuple
 import pytest
 from families import write_toy_shards
 
+import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of the checks imported below
 from ddpkit.parity import weight_diffs
-from ddpkit.testing import check_parity
+from ddpkit.testing import check_data, check_parity
 from ddpkit.testing import runs as suite_runs
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import concurrently, set_project
@@ -55,7 +61,12 @@ MODELS = {
     "bert-unsynced-metric": ["--model", "families.UnsyncedMetricBert", *BERT],
     # The toy's MLP on the same samples as shards (families.SHARD_SIZES), streamed; the folder is the fixture's.
     "streaming": ["--data", "families.StreamingToyData", "--data.global_batch_size", "32"],
+    # Sentences of 3 to 24 words, each batch padded to its longest (data_families.py): correct, and built per process.
+    "lstm": ["--model", "data_families.LSTMClassifier", "--data", "data_families.TextData"],
+    "lstm-set-vocabulary": ["--model", "data_families.LSTMClassifier", "--data", "data_families.SetVocabularyData"],
+    "lstm-unseeded-shuffle": ["--model", "data_families.LSTMClassifier", "--data", "data_families.UnseededShuffleData"],
 }  # fmt: skip
+PER_PROCESS = ["lstm-set-vocabulary", "lstm-unseeded-shuffle"]
 
 
 class Suite(NamedTuple):
@@ -70,8 +81,11 @@ def suites(tmp_path_factory) -> dict[str, Suite]:
     once from one fork server of the toy's main.py."""
     base = tmp_path_factory.mktemp("families")
     (base / "main.py").write_text(MAIN)
-    shutil.copy(HERE / "families.py", base)  # beside main.py, as a project's own module
+    for module in ("families.py", "data_families.py"):  # beside main.py, as a project's own modules
+        shutil.copy(HERE / module, base)
     set_project(base)
+    # A set of strings iterates in an order of the process's own hash seed only if no fixed seed is inherited.
+    assert os.environ.get("PYTHONHASHSEED", "random") == "random", "unset PYTHONHASHSEED: lstm-set-vocabulary needs it"
     suites = {}
     write_toy_shards(base / "shards")
     models = {**MODELS, "streaming": [*MODELS["streaming"], "--data.shard_dir", str(base / "shards")]}
@@ -158,3 +172,72 @@ def test_evaluation_check_fails_on_an_unsynced_metric(suites, name):
     apart = abs(ranks[0] - ranks[1]) / abs(ranks[0])
     print(f"{name}: the ranks' val/loss {apart:.3g} apart")  # docs/measurements.md
     assert apart >= 1e3 * check_parity.METRIC_STATE_ROUNDING
+
+
+def test_batches_padded_to_their_longest_sentence_pass_the_sample_and_parity_checks(suites):
+    """An LSTM over sentences of 3 to 24 words, each batch padded to its own longest (a sentence is padded to 24 on 1
+    device and to 20 on a rank) and packed: the samples are recognised as the dataset returns them, so each rank gets
+    half of every epoch and global batch k is 1 device's; the ranks and runs hold the same datasets; 1 vs 2 devices'
+    float64 weights and logged values agree (the LSTM's dropout between layers is off in the runs, as nn.Dropout's)."""
+    suite = suites["lstm"]
+    assert suite.configured["random_step"] == "" and suite.configured["unused_parameters"] == ""
+    assert [suite.runs[n].probe(rank=r)["samples_read"] for n, r in (("1dev-fp64", 0), ("2dev-fp64", 1))] == [
+        "dataset",
+        "dataset",
+    ]
+    call(check_data.test_every_rank_holds_the_same_datasets, suite)
+    call(check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, suite)
+    call(check_parity.test_global_batches_equal_1_device_and_reshuffle_each_epoch, suite)
+    call(check_parity.test_weights_match_1_vs_2_devices, suite, precision="fp64")
+    call(check_parity.test_logged_scalars_match_every_step, suite, precision="fp64")
+
+
+# The one line the data check fails with: which rank, dataset and index, both samples' fingerprints, and why.
+DIFFERS = re.compile(
+    r"rank 1's train dataset differs from rank 0's at index (\d+) \(sample fingerprints ([0-9a-f]{16}) vs "
+    r"([0-9a-f]{16})\): built differently per process \(a set's order, an unseeded shuffle\?\)"
+)
+
+
+@pytest.mark.parametrize("name", PER_PROCESS)
+def test_data_built_differently_per_process_fails_the_data_check_at_its_index(suites, name):
+    """A vocabulary numbered by iterating a set of strings, or a shuffle by an unseeded generator: each rank of the 2
+    device run builds other samples. Its ranks compare their datasets' fingerprints before training and the run stops
+    there with one line, which the data check fails with: the dataset, the first index whose samples differ and both
+    samples' fingerprints (as each rank wrote them); the later waves would not start (the gate says why)."""
+    suite = suites[name]
+    assert suite.configured["random_step"] == ""  # one process builds one order: no random step is claimed
+    with pytest.raises(pytest.fail.Exception) as failed:
+        call(check_data.test_every_rank_holds_the_same_datasets, suite)
+    line = str(failed.value)
+    found = DIFFERS.fullmatch(line)
+    assert found, line
+    ranks = [json.loads((suite.runs.base / "2dev-fp64/probe" / f"data-rank{r}.json").read_text()) for r in (0, 1)]
+    index, one, zero = int(found[1]), found[2], found[3]
+    assert (ranks[1]["train"]["keys"][index], ranks[0]["train"]["keys"][index]) == (one, zero)
+    assert ranks[1]["train"]["keys"][:index] == ranks[0]["train"]["keys"][:index]
+    assert line in suite.runs.failed["2dev-fp64"]  # the run stopped on it, before training
+    assert not (suite.runs.base / "2dev-fp64/probe/fit-rank0.json").exists()
+    assert check_data.data_gate(suite.runs).endswith("(test_every_rank_holds_the_same_datasets says which and where)")
+
+
+def test_a_head_used_only_in_validation_is_named_with_the_setting_before_any_run(suites):
+    """A second head used only in validation_step gets no gradient in training: configured.py's one step on 1 device
+    finds it and says, in one line, which parameters and the strategy alias that has DDP look for unused ones (the
+    toy's config names its strategy `ddp`); with the alias configured nothing is said."""
+    head = ["--model", "data_families.ValidationHeadClassifier", "--data", "families.SmallToyData"]
+    line = describe(*COMMON, *head)["unused_parameters"]
+    assert line.startswith(
+        "ValidationHeadClassifier's training step leaves 2 of 8 parameter tensors without a gradient "
+        "(probe_head.weight, probe_head.bias), and DDP then stops at the first step"
+    ), line
+    assert "set `strategy: ddp_find_unused_parameters_true` under `trainer:` in config.yaml" in line, line
+    assert describe(*COMMON, *head, "--trainer.strategy", "ddp_find_unused_parameters_true")["unused_parameters"] == ""
+
+
+def test_a_shuffle_drawn_from_the_seeded_global_stream_is_no_random_step(suites):
+    """A training set shuffled by `random.shuffle` when it is built: configured.py sets the data up under the same
+    seed for both of its one-batch steps, so the two steps see the same batch and end equal (the step draws nothing);
+    it used to build the data under seeds 0 and 1 and call the step random. Every rank seeds that stream alike."""
+    shuffled = describe(*COMMON, "--model", "data_families.LSTMClassifier", "--data", "data_families.GlobalShuffleData")
+    assert shuffled["random_step"] == "" and shuffled["unused_parameters"] == ""
