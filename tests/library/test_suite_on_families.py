@@ -73,6 +73,9 @@ FAMILIES = {
     "resnet18-groupnorm": ("families.ResNet18", {"norm": "group", "width": 16}, "families.ImageData", False),
     "bert": ("families.TinyBert", {}, "families.SentenceData", False),
 }
+# A module with a head used only in validation (data_families.py): its parameters get no gradient in training, so
+# its session fails one test (the setting named) and skips the rest before any run.
+RED = {"validation-head": ("data_families.ValidationHeadClassifier", {}, "families.SmallToyData", False)}
 # Skips a green session may have, by the start of their reason: GPUs, what these modules do not do, and what
 # BatchNorm rules out (micro-batches change its statistics; float32 rounding too large to tell a bug from).
 SKIPS = {
@@ -84,14 +87,15 @@ SKIPS = {
 
 def make_project(root: Path, family: str) -> Path:
     """A project of `family`: main.py, config.yaml, families.py beside them, and the two test files of a bake."""
-    model, init, data, sync = FAMILIES[family]
+    model, init, data, sync = (FAMILIES | RED)[family]
     root.mkdir(parents=True)
     (root / "tests").mkdir()
     (root / "main.py").write_text(MAIN)
     sync_line = "\n  sync_batchnorm: true" if sync else ""
     (root / "config.yaml").write_text(CONFIG.format(sync=sync_line, model=model, init=json.dumps(init), data=data))
     (root / "pyproject.toml").write_text(PYPROJECT)
-    shutil.copy(TESTS / "families.py", root / "families.py")
+    for module in ("families.py", "data_families.py"):
+        shutil.copy(TESTS / module, root / module)
     shutil.copytree(TEMPLATE / "cluster", root / "cluster")  # the launch scripts the multi-node checks run
     (root / "tests" / "conftest.py").write_text('pytest_plugins = ["ddpkit.testing.plugin"]\n')
     (root / "tests" / "test_guarantees.py").write_text("from ddpkit.testing.guarantees import *  # noqa: F403\n")
@@ -110,7 +114,7 @@ def run_family_sessions(base: Path) -> dict[str, tuple[int, str, Path]]:
             "-m",
             "pytest",
             "-q",
-            "-rs",
+            "-rfs",
             "-p",
             "no:cacheprovider",
             "--basetemp",
@@ -121,7 +125,7 @@ def run_family_sessions(base: Path) -> dict[str, tuple[int, str, Path]]:
         return result.returncode, result.stdout, base / f"{family}-tmp" / "runs0"
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(FAMILIES, pool.map(session, FAMILIES), strict=True))
+        return dict(zip([*FAMILIES, *RED], pool.map(session, [*FAMILIES, *RED]), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +212,20 @@ def test_batchnorm_resnet_bounds_come_from_reversed_batches(family_sessions):
     runs, steps = kept_runs(family_sessions["resnet18-batchnorm"][2])
     bound = check_parity.fp64_bound(runs, steps)
     assert "every batch reversed" in bound.why and bound.at_rounding > 0, bound
+
+
+def test_a_parameter_without_a_gradient_fails_one_test_naming_the_setting_and_skips_the_rest(family_sessions):
+    """A head used only in validation_step: the project's `pytest` fails one test, with one line that names the
+    parameters and the strategy alias that has DDP look for unused ones, and every other test skips pointing at it
+    (no run starts: DDP would stop at its first step), instead of each failing with Lightning's error."""
+    code, out, runs = family_sessions["validation-head"]
+    summary = out.strip().splitlines()[-1]
+    assert code == 1 and re.fullmatch(r"=* ?1 failed, \d+ skipped in .*", summary), out[-6000:]
+    (failed,) = [line for line in out.splitlines() if line.startswith("FAILED ")]
+    assert failed.startswith("FAILED tests/test_guarantees.py::test_every_parameter_gets_a_gradient_or_ddp_looks_for")
+    (said,) = [line for line in out.splitlines() if line.startswith("ValidationHeadClassifier's training step")]
+    assert "(probe_head.weight, probe_head.bias)" in said and "`strategy: ddp_find_unused_parameters_true`" in said
+    skips = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("SKIPPED ")]
+    pointer = "not run: DDP would stop at the first step on a parameter without a gradient"
+    assert skips and all(s.startswith(pointer) or "CUDA/NCCL parity needs 2 visible GPUs" in s for s in skips), skips
+    assert not runs.exists() or not any(runs.iterdir())  # no run started
