@@ -117,11 +117,18 @@ class LSTMClassifier(L.LightningModule):
         hidden_dim: LSTM state size.
         num_layers: LSTM layers.
         dropout: Dropout rate (embeddings, between LSTM layers, before the head).
+        noise: Standard deviation of Gaussian noise added to the embeddings in training, drawn in the step (0: none).
         lr: AdamW learning rate.
     """
 
     def __init__(
-        self, embed_dim: int = 16, hidden_dim: int = 32, num_layers: int = 2, dropout: float = 0.2, lr: float = 3e-3
+        self,
+        embed_dim: int = 16,
+        hidden_dim: int = 32,
+        num_layers: int = 2,
+        dropout: float = 0.2,
+        noise: float = 0.0,
+        lr: float = 3e-3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -134,6 +141,8 @@ class LSTMClassifier(L.LightningModule):
 
     def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
         x = self.dropout(self.embedding(ids))  # (B, T, E)
+        if self.training and self.hparams.noise:
+            x = x + self.hparams.noise * torch.randn_like(x)
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         _, (state, _) = self.lstm(packed)  # (layers, B, H)
         return self.head(self.dropout(state[-1]))  # (B, classes)

@@ -34,29 +34,34 @@ def sentences() -> Dataset:
 
 
 def epoch_batches(world: int, workers: int = 0) -> list[tuple[list[list[str]], list[list[str]]]]:
-    """Per rank, one epoch of a ResumableLoader over the sentences (global batch 32, each batch padded to its longest,
-    `workers` loader processes): the keys TrainSamples gives each batch, and the keys of its collated rows."""
+    """Per rank, two epochs of a ResumableLoader over the sentences (global batch 32, each batch padded to its
+    longest, `workers` loader processes): the keys TrainSamples gives each batch, and the keys of its collated rows."""
     dataset, out = sentences(), []
     for rank in range(world):
         sampler = GlobalBatchSampler(dataset, 32, num_replicas=world, rank=rank, seed=42)
         loader = ResumableLoader(dataset, batch_size=32 // world, sampler=sampler, collate_fn=pad_to_longest,
-                                 num_workers=workers)  # fmt: skip
-        samples = TrainSamples(loader)
-        batches = [(samples.keys(epoch=0), sample_keys(batch)) for batch in loader]
+                                 num_workers=workers, persistent_workers=workers > 0)  # fmt: skip
+        samples, batches = TrainSamples(loader), []
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            batches += [(samples.keys(epoch), sample_keys(batch)) for batch in loader]
         out.append(([keys for keys, _ in batches], [rows for _, rows in batches]))
     return out
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_sample_is_recognised_before_its_batch_pads_it(workers):
-    """Global batch k of 2 ranks, put together, holds 1 device's samples, though every batch is padded to its own
-    longest sentence, so that the collated rows of a sentence differ between 1 device and a rank: the keys are of
-    the samples the dataset returns at the indices the sampler handed out, also when worker processes load them."""
+    """Global batch k of 2 ranks, put together, holds 1 device's samples in both epochs, though every batch is padded
+    to its own longest sentence, so that the collated rows of a sentence differ between 1 device and a rank: the
+    keys are of the samples the dataset returns at the indices the sampler handed out, also when worker processes
+    load them."""
     (one, one_rows), (zero, zero_rows), (first, first_rows) = epoch_batches(1, workers) + epoch_batches(2, workers)
-    assert len(one) == len(zero) == len(first) == 4
+    assert len(one) == len(zero) == len(first) == 8
     assert [sorted(a + b) for a, b in zip(zero, first, strict=True)] == [sorted(batch) for batch in one]
     dataset, sampler = sentences(), GlobalBatchSampler(sentences(), 32, num_replicas=1, rank=0, seed=42)
-    assert one[0] == [sample_key(dataset[i]) for i in list(sampler)[:32]]
+    sampler.set_epoch(1)
+    assert one[4] == [sample_key(dataset[i]) for i in list(sampler)[:32]]  # epoch 1's first batch
+    assert one[0] != one[4]
     # What the rows would have said: other padding, other rows, so the same samples did not match.
     rows = [sorted(a + b) for a, b in zip(zero_rows, first_rows, strict=True)]
     assert rows != [sorted(batch) for batch in one_rows]

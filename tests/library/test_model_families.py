@@ -238,6 +238,11 @@ def test_a_head_used_only_in_validation_is_named_with_the_setting_before_any_run
 def test_a_shuffle_drawn_from_the_seeded_global_stream_is_no_random_step(suites):
     """A training set shuffled by `random.shuffle` when it is built: configured.py sets the data up under the same
     seed for both of its one-batch steps, so the two steps see the same batch and end equal (the step draws nothing);
-    it used to build the data under seeds 0 and 1 and call the step random. Every rank seeds that stream alike."""
-    shuffled = describe(*COMMON, "--model", "data_families.LSTMClassifier", "--data", "data_families.GlobalShuffleData")
+    it used to build the data under seeds 0 and 1 and call the step random. Every rank seeds that stream alike. Noise
+    drawn in the step is still named, with its switch."""
+    lstm = ["--model", "data_families.LSTMClassifier", "--data", "data_families.GlobalShuffleData"]
+    shuffled = describe(*COMMON, *lstm)
     assert shuffled["random_step"] == "" and shuffled["unused_parameters"] == ""
+    # Noise drawn in the step is still seen with such data: the same batch, two seeds, two ends.
+    noisy = describe(*COMMON, *lstm, "--model.noise", "0.1")["random_step"]
+    assert noisy.startswith("LSTMClassifier's training step draws random numbers") and "--model.noise 0" in noisy
