@@ -3,11 +3,16 @@ the batch, BatchNorm without synchronized statistics and values logged without s
 validation loss), injected into the toy's MLP (the digits example's network and optimizer), a ResNet-18 (BatchNorm,
 GroupNorm), a GPT-2, a small BatchNorm CNN and a MobileNetV3-small; each fails the float64 checks of whole trainings
 and the one-step check in float32 and in bf16-mixed (check_onestep.py), by the stated margins. The toy's MLP on a
-streaming data module passes the first wave's checks. The checks are the suite's own functions, given the runs the
-suite's fixtures would make (the first wave, and the one-step runs). The correct models' whole suites:
-test_suite_on_families.py."""
+streaming data module passes the first wave's checks. An LSTM over sentences padded to each batch's longest passes
+them and the one-step check (data_families.py), and the same sentences built differently in each process (a
+vocabulary in a set's order, an unseeded shuffle) fail the check that the ranks hold the same data, at the index
+where they first differ. The checks are the suite's own functions, given the runs the suite's fixtures would make
+(the first wave, and the one-step runs). The correct models' whole suites: test_suite_on_families.py."""
 
 import inspect
+import json
+import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +21,8 @@ from typing import NamedTuple
 import pytest
 from families import write_toy_shards
 
-from ddpkit.testing import check_onestep, check_parity
+import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of the checks imported below
+from ddpkit.testing import check_data, check_onestep, check_parity
 from ddpkit.testing import runs as suite_runs
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import set_project
@@ -61,7 +67,18 @@ MODELS = {
     "mobilenet-summed-loss": (["--model", "families.SummedLossMobileNetV3Small", *MOBILENET, *SYNC], {"summed"}),
     # The toy's MLP on the same samples as shards (families.SHARD_SIZES), streamed; the folder is the fixture's.
     "streaming": (["--data", "families.StreamingToyData", "--data.global_batch_size", "32"], set()),
+    # Sentences of 3 to 24 words, each batch padded to its longest (data_families.py): correct, and built per process.
+    "lstm": (["--model", "data_families.LSTMClassifier", "--data", "data_families.TextData"], set()),
+    "lstm-set-vocabulary": (
+        ["--model", "data_families.LSTMClassifier", "--data", "data_families.SetVocabularyData"], set()
+    ),
+    "lstm-unseeded-shuffle": (
+        ["--model", "data_families.LSTMClassifier", "--data", "data_families.UnseededShuffleData"], set()
+    ),
 }  # fmt: skip
+PER_PROCESS = ["lstm-set-vocabulary", "lstm-unseeded-shuffle"]
+# The models whose one-step runs are made: every buggy one, and the LSTM (correct, judged green).
+ONE_STEP_MODELS = [name for name, (_, bugs) in MODELS.items() if bugs] + ["lstm"]
 
 
 class Suite(NamedTuple):
@@ -73,12 +90,15 @@ class Suite(NamedTuple):
 @pytest.fixture(scope="module")
 def suites(tmp_path_factory) -> dict[str, Suite]:
     """Per model, the suite's first wave (1 and 2 devices in float64, and the rounding reference) and, for the buggy
-    ones, its one-step runs, with its steps: the first waves all at once, then the one-step runs of 4 models at a
-    time, from one fork server of the toy's main.py."""
+    ones and the LSTM, its one-step runs, with its steps: the first waves all at once, then the one-step runs of 4
+    models at a time, from one fork server of the toy's main.py."""
     base = tmp_path_factory.mktemp("families")
     (base / "main.py").write_text(MAIN)
-    shutil.copy(HERE / "families.py", base)  # beside main.py, as a project's own module
+    for module in ("families.py", "data_families.py"):  # beside main.py, as a project's own modules
+        shutil.copy(HERE / module, base)
     set_project(base)
+    # A set of strings iterates in an order of the process's own hash seed only if no fixed seed is inherited.
+    assert os.environ.get("PYTHONHASHSEED", "random") == "random", "unset PYTHONHASHSEED: lstm-set-vocabulary needs it"
     suites = {}
     write_toy_shards(base / "shards")
     models = {name: args for name, (args, _) in MODELS.items()}
@@ -92,13 +112,13 @@ def suites(tmp_path_factory) -> dict[str, Suite]:
             (base / name).mkdir()
             steps = plan(configured)
             runs = shared_runs(base / name, steps)
-            one_step = ONE_STEP if MODELS[name][1] else ()
+            one_step = ONE_STEP if name in ONE_STEP_MODELS else ()
             runs.want({"1dev-fp64", "2dev-fp64", reference_run(steps, "fp64"), *one_step})
             suites[name] = Suite(runs, steps, configured)
         with ThreadPoolExecutor(len(suites)) as pool:  # every first wave at once (each mostly start-up)
             list(pool.map(lambda name: started(suites[name], "1dev-fp64"), suites))
         with ThreadPoolExecutor(4) as pool:  # 5 runs each, 2 of them of 2 processes
-            list(pool.map(lambda name: started(suites[name], ONE_STEP[0]), [n for n in suites if MODELS[n][1]]))
+            list(pool.map(lambda name: started(suites[name], ONE_STEP[0]), ONE_STEP_MODELS))
     return suites
 
 
@@ -208,3 +228,81 @@ def test_one_step_check_fails_on_an_unsynced_logged_value(suites, name):
     ranks logged different values, and the ranks check says so."""
     with pytest.raises(AssertionError, match=r"global batch \d+: a value logged without sync"):
         call(check_onestep.test_both_ranks_end_bit_identical, suites[name])
+
+
+def test_batches_padded_to_their_longest_sentence_pass_the_sample_and_parity_checks(suites):
+    """An LSTM over sentences of 3 to 24 words, each batch padded to its own longest (a sentence is padded to 24 on 1
+    device and to 20 on a rank) and packed: the samples are recognised as the dataset returns them, so each rank gets
+    half of every epoch and global batch k is 1 device's; the ranks and runs hold the same datasets; 1 vs 2 devices'
+    float64 weights and logged values agree (the LSTM's dropout between layers is off in the runs, as nn.Dropout's),
+    and so do their single steps in float32 and bf16-mixed."""
+    suite = suites["lstm"]
+    assert suite.configured["random_step"] == "" and suite.configured["unused_parameters"] == ""
+    assert [suite.runs[n].probe(rank=r)["samples_read"] for n, r in (("1dev-fp64", 0), ("2dev-fp64", 1))] == [
+        "dataset",
+        "dataset",
+    ]
+    call(check_data.test_every_rank_holds_the_same_datasets, suite)
+    call(check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, suite)
+    call(check_parity.test_global_batches_equal_1_device_and_reshuffle_each_epoch, suite)
+    call(check_parity.test_weights_match_1_vs_2_devices, suite)
+    call(check_parity.test_logged_scalars_match_every_step, suite)
+    for precision in check_onestep.STEP_PRECISIONS:  # one step at a time in float32 and bf16-mixed: green too
+        call(check_onestep.test_one_step_from_the_same_state_matches_1_vs_2_devices, suite, precision=precision)
+    call(check_onestep.test_both_ranks_end_bit_identical, suite)
+
+
+# The one line the data check fails with: which rank, dataset and index, both samples' fingerprints, and why.
+DIFFERS = re.compile(
+    r"rank 1's train dataset differs from rank 0's at index (\d+) \(sample fingerprints ([0-9a-f]{16}) vs "
+    r"([0-9a-f]{16})\): built differently per process \(a set's order, an unseeded shuffle\?\)"
+)
+
+
+@pytest.mark.parametrize("name", PER_PROCESS)
+def test_data_built_differently_per_process_fails_the_data_check_at_its_index(suites, name):
+    """A vocabulary numbered by iterating a set of strings, or a shuffle by an unseeded generator: each rank of the 2
+    device run builds other samples. Its ranks compare their datasets' fingerprints before training and the run stops
+    there with one line, which the data check fails with: the dataset, the first index whose samples differ and both
+    samples' fingerprints (as each rank wrote them); the later waves would not start (the gate says why)."""
+    suite = suites[name]
+    assert suite.configured["random_step"] == ""  # one process builds one order: no random step is claimed
+    with pytest.raises(pytest.fail.Exception) as failed:
+        call(check_data.test_every_rank_holds_the_same_datasets, suite)
+    line = str(failed.value)
+    found = DIFFERS.fullmatch(line)
+    assert found, line
+    ranks = [json.loads((suite.runs.base / "2dev-fp64/probe" / f"data-rank{r}.json").read_text()) for r in (0, 1)]
+    index, one, zero = int(found[1]), found[2], found[3]
+    assert (ranks[1]["train"]["keys"][index], ranks[0]["train"]["keys"][index]) == (one, zero)
+    assert ranks[1]["train"]["keys"][:index] == ranks[0]["train"]["keys"][:index]
+    assert line in suite.runs.failed["2dev-fp64"]  # the run stopped on it, before training
+    assert not (suite.runs.base / "2dev-fp64/probe/fit-rank0.json").exists()
+    assert check_data.data_gate(suite.runs).endswith("(test_every_rank_holds_the_same_datasets says which and where)")
+
+
+def test_a_head_used_only_in_validation_is_named_with_the_setting_before_any_run(suites):
+    """A second head used only in validation_step gets no gradient in training: configured.py's one step on 1 device
+    finds it and says, in one line, which parameters and the strategy alias that has DDP look for unused ones (the
+    toy's config names its strategy `ddp`); with the alias configured nothing is said."""
+    head = ["--model", "data_families.ValidationHeadClassifier", "--data", "families.SmallToyData"]
+    line = describe(*COMMON, *head)["unused_parameters"]
+    assert line.startswith(
+        "ValidationHeadClassifier's training step leaves 2 of 8 parameter tensors without a gradient "
+        "(probe_head.weight, probe_head.bias), and DDP then stops at the first step"
+    ), line
+    assert "set `strategy: ddp_find_unused_parameters_true` under `trainer:` in config.yaml" in line, line
+    assert describe(*COMMON, *head, "--trainer.strategy", "ddp_find_unused_parameters_true")["unused_parameters"] == ""
+
+
+def test_a_shuffle_drawn_from_the_seeded_global_stream_is_no_random_step(suites):
+    """A training set shuffled by `random.shuffle` when it is built: configured.py sets the data up under the same
+    seed for both of its one-batch steps, so the two steps see the same batch and end equal (the step draws nothing);
+    it used to build the data under seeds 0 and 1 and call the step random. Every rank seeds that stream alike. Noise
+    drawn in the step is still named, with its switch."""
+    lstm = ["--model", "data_families.LSTMClassifier", "--data", "data_families.GlobalShuffleData"]
+    shuffled = describe(*COMMON, *lstm)
+    assert shuffled["random_step"] == "" and shuffled["unused_parameters"] == ""
+    # Noise drawn in the step is still seen with such data: the same batch, two seeds, two ends.
+    noisy = describe(*COMMON, *lstm, "--model.noise", "0.1")["random_step"]
+    assert noisy.startswith("LSTMClassifier's training step draws random numbers") and "--model.noise 0" in noisy

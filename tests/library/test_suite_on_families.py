@@ -5,6 +5,8 @@ correct model gets a green session, its float32 and bf16 checks run (one step at
 each check passed: the bound from the model's own rounding, the key's bias slice and a bias before BatchNorm left out
 as holding no gradient. The classic DDP bugs injected into these models fail (test_model_families.py).
 
+A module with a head used only in validation gets one red test that names the setting DDP needs, and no run.
+
 The GPT-2 takes the place of the BERT these sessions ran before: its key bias, which gets no gradient, is a slice of
 the fused projection, the harder case (a whole tensor without gradient, BERT's, is the small CNN's conv biases here).
 The ResNet runs at width 16 (0.7M parameters: the architecture, 4 stages of 2 basic blocks, at a quarter of the
@@ -76,8 +78,11 @@ FAMILIES = {
     "gpt2": ("families.GPT2", {}, "families.ByteData", False, 0),
     "small-cnn": ("families.SmallBatchNormCNN", {}, "families.ImageData", True, 42),
 }
+# A module with a head used only in validation (data_families.py): its parameters get no gradient in training, so
+# its session fails one test (the setting named) and skips the rest before any run.
+RED = {"validation-head": ("data_families.ValidationHeadClassifier", {}, "families.SmallToyData", False, 42)}
 # Skips a green session may have, by the start of their reason: GPUs, what these modules do not do, and what
-# BatchNorm rules out (micro-batches change its statistics; float32 rounding too large to tell a bug from).
+# BatchNorm rules out (micro-batches change its statistics).
 SKIPS = {
     "all": ("CUDA/NCCL parity needs 2 visible GPUs", "the configured model takes no scheduler argument",
             "does not shard its layers"),
@@ -88,7 +93,7 @@ SKIPS = {
 
 def make_project(root: Path, family: str) -> Path:
     """A project of `family`: main.py, config.yaml, families.py beside them, and the two test files of a bake."""
-    model, init, data, sync, seed = FAMILIES[family]
+    model, init, data, sync, seed = (FAMILIES | RED)[family]
     root.mkdir(parents=True)
     (root / "tests").mkdir()
     (root / "main.py").write_text(MAIN)
@@ -96,7 +101,8 @@ def make_project(root: Path, family: str) -> Path:
     config = CONFIG.format(seed=seed, sync=sync_line, model=model, init=json.dumps(init), data=data)
     (root / "config.yaml").write_text(config)
     (root / "pyproject.toml").write_text(PYPROJECT)
-    shutil.copy(TESTS / "families.py", root / "families.py")
+    for module in ("families.py", "data_families.py"):
+        shutil.copy(TESTS / module, root / module)
     shutil.copytree(TEMPLATE / "cluster", root / "cluster")  # the launch scripts the multi-node checks run
     (root / "tests" / "conftest.py").write_text('pytest_plugins = ["ddpkit.testing.plugin"]\n')
     (root / "tests" / "test_guarantees.py").write_text("from ddpkit.testing.guarantees import *  # noqa: F403\n")
@@ -115,7 +121,7 @@ def run_family_sessions(base: Path) -> dict[str, tuple[int, str, Path]]:
             "-m",
             "pytest",
             "-q",
-            "-rs",
+            "-rfs",
             "-p",
             "no:cacheprovider",
             "--basetemp",
@@ -126,7 +132,7 @@ def run_family_sessions(base: Path) -> dict[str, tuple[int, str, Path]]:
         return result.returncode, result.stdout, base / f"{family}-tmp" / "runs0"
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(FAMILIES, pool.map(session, FAMILIES), strict=True))
+        return dict(zip([*FAMILIES, *RED], pool.map(session, [*FAMILIES, *RED]), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +228,20 @@ def test_batchnorm_bounds_come_from_reversed_batches_and_leave_out_the_biases_be
     assert all(bound.no_gradient[f"net.{i}.bias"].all() for i in (0, 4))
     verdicts = {v.diff.name: v for v in one_vs_two(runs, bound)}
     assert verdicts["net.0.bias"].rounding.startswith("no gradient") and not verdicts["net.0.bias"].over
+
+
+def test_a_parameter_without_a_gradient_fails_one_test_naming_the_setting_and_skips_the_rest(family_sessions):
+    """A head used only in validation_step: the project's `pytest` fails one test, with one line that names the
+    parameters and the strategy alias that has DDP look for unused ones, and every other test skips pointing at it
+    (no run starts: DDP would stop at its first step), instead of each failing with Lightning's error."""
+    code, out, runs = family_sessions["validation-head"]
+    summary = out.strip().splitlines()[-1]
+    assert code == 1 and re.fullmatch(r"=* ?1 failed, \d+ skipped in .*", summary), out[-6000:]
+    (failed,) = [line for line in out.splitlines() if line.startswith("FAILED ")]
+    assert failed.startswith("FAILED tests/test_guarantees.py::test_every_parameter_gets_a_gradient_or_ddp_looks_for")
+    (said,) = [line for line in out.splitlines() if line.startswith("ValidationHeadClassifier's training step")]
+    assert "(probe_head.weight, probe_head.bias)" in said and "`strategy: ddp_find_unused_parameters_true`" in said
+    skips = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("SKIPPED ")]
+    pointer = "not run: DDP would stop at the first step on a parameter without a gradient"
+    assert skips and all(s.startswith(pointer) or "CUDA/NCCL parity needs 2 visible GPUs" in s for s in skips), skips
+    assert not runs.exists() or not any(runs.iterdir())  # no run started

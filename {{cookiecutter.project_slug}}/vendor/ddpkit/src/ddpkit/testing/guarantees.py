@@ -13,6 +13,10 @@ from .check_cli import (
     test_other_subcommands_run_from_a_checkpoint,
     test_the_run_config_reaches_every_logger,
 )
+from .check_data import (
+    test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones,
+    test_every_rank_holds_the_same_datasets,
+)
 from .check_multinode import (
     test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it,
     test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device,
@@ -48,7 +52,10 @@ from .check_sharded import (
     test_sharded_on_two_then_resumed_on_one_device_matches_ddp,
 )
 
+# pytest collects the star-imported tests in this order: first what must hold before runs can be compared.
 __all__ = [
+    "test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones",
+    "test_every_rank_holds_the_same_datasets",
     "test_weights_match_1_vs_2_devices",
     "test_one_step_from_the_same_state_matches_1_vs_2_devices",
     "test_both_ranks_end_bit_identical",

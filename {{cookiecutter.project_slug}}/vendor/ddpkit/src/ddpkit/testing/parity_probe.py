@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
+from .fingerprints import TrainSamples, dataset_fingerprint, rank_difference
+
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -37,8 +39,9 @@ def batch_len(batch: Any) -> int:
 
 
 def sample_keys(batch: Any) -> list[str]:
-    """One identity per sample: a hash of its row in every tensor of the batch. Floats are hashed as
-    float32, which holds the loaded values exactly in any run precision (64-true converts float32 up)."""
+    """One identity per sample of a collated batch, for a loader whose samples cannot be read before collation
+    (fingerprints.TrainSamples): a hash of its row in every tensor of the batch. Floats are hashed as float32, which
+    holds the loaded values exactly in any run precision (64-true converts float32 up)."""
     tensors = [t.detach().cpu() for t in leaves(batch) if t.ndim and len(t) == batch_len(batch)]
     tensors = [t.float() if t.is_floating_point() else t.long() for t in tensors]
     return [hashlib.sha1(b"".join(t[i].numpy().tobytes() for t in tensors)).hexdigest() for i in range(len(tensors[0]))]
@@ -57,6 +60,8 @@ class NoDropout(L.Callback):
         for module in pl_module.modules():
             if isinstance(module, DROPOUT):
                 module.p = 0.0
+            elif isinstance(module, nn.RNNBase):  # nn.LSTM's, nn.GRU's dropout between their layers
+                module.dropout = 0.0
 
 
 class ReversedBatches(L.Callback):
@@ -81,21 +86,52 @@ class Probe(NoDropout):
             weights and the loops' state (what the checks compare and evaluation loads): an optimizer like AdamW
             keeps two tensors per weight, so an 11M-parameter model's float64 checkpoint is 90 MB instead of 270.
         rank_weights: Save each rank's final weights to probe/fit-rank<r>.pt.
+        fingerprint_data: Before fit, write each rank's fingerprints of the data module's train and val sets to
+            probe/data-rank<r>.json; on several ranks, stop the run, every rank with the same error, where a rank's
+            differ from rank 0's (a dataset built differently per process: nothing after it could be compared).
     """
 
     def __init__(
-        self, save_at_steps: list[int] | None = None, resumable: bool = False, rank_weights: bool = False
+        self,
+        save_at_steps: list[int] | None = None,
+        resumable: bool = False,
+        rank_weights: bool = False,
+        fingerprint_data: bool = False,
     ) -> None:
         self.save_at_steps = set(save_at_steps or ())
-        self.resumable, self.rank_weights = resumable, rank_weights
+        self.resumable, self.rank_weights, self.fingerprint_data = resumable, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
         self.eval_samples = 0
+        self.samples: TrainSamples | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
+        if self.fingerprint_data and stage == "fit":
+            self.compare_data(trainer)
+
+    def compare_data(self, trainer: L.Trainer) -> None:
+        """Fingerprint this rank's datasets (fingerprints.py), write them, and fail where the ranks' differ."""
+        sets = {name: getattr(trainer.datamodule, f"{name}_set", None) for name in ("train", "val")}
+        mine = {name: dataset_fingerprint(dataset) for name, dataset in sets.items() if dataset is not None}
+        out = Path(trainer.default_root_dir) / "probe"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"data-rank{trainer.global_rank}.json").write_text(json.dumps(mine))
+        if trainer.world_size > 1:
+            every = [None] * trainer.world_size
+            torch.distributed.all_gather_object(every, mine)
+            differs = rank_difference(every)
+            if differs:
+                raise RuntimeError(differs)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.samples = TrainSamples(trainer.train_dataloader)  # before the loop first iterates it
+        self.record["samples_read"] = self.samples.read
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        self.record["batches"].setdefault(str(trainer.current_epoch), []).append(sample_keys(batch))
+        # The samples as the dataset gave them, before the collate function padded or stacked them.
+        keys = self.samples.keys(trainer.current_epoch) if self.samples is not None else None
+        keys = sample_keys(batch) if keys is None else keys
+        self.record["batches"].setdefault(str(trainer.current_epoch), []).append(keys)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         # What this rank's module logged this step (after any sync), at full precision.

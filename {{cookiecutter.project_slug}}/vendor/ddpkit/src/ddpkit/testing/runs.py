@@ -142,14 +142,19 @@ def schedule_args(steps: dict) -> list[str]:
 
 
 def run_args(
-    steps: dict, resumed_at: int | None = None, rank_weights: bool = False, saves: tuple[int, ...] = ()
+    steps: dict,
+    resumed_at: int | None = None,
+    rank_weights: bool = False,
+    saves: tuple[int, ...] = (),
+    fingerprints: bool = False,
 ) -> list[str]:
     """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
     no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
     their size), unless other runs resume from it at global batch `resumed_at` (or start one-step runs from it after
     the global batches `saves`): then they are complete, the probe saves one at each of those steps, an extra
     checkpoint per epoch is written (only their names are checked), and each parameter element's largest gradient is
-    recorded (parity_probe.GradientPeaks). Each rank's final weights only with `rank_weights`."""
+    recorded (parity_probe.GradientPeaks). Each rank's final weights only with `rank_weights`; each rank's
+    fingerprints of its datasets, compared before training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
@@ -157,6 +162,8 @@ def run_args(
     ]
     if rank_weights:
         args.append("--trainer.callbacks.rank_weights=true")
+    if fingerprints:
+        args.append("--trainer.callbacks.fingerprint_data=true")
     if resumed_at is not None:
         at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
@@ -292,20 +299,34 @@ class Waves:
     session's selected tests read (`want`; every run of the wave when nothing was declared), so that a selection of
     tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once; a run that fails
     fails the tests that read it, with its own error, and no other (a run of a later wave that starts from it fails
-    with that error too)."""
+    with that error too). `gate`, asked once the runs that fingerprint the datasets (GATED_BY) have run, may give a
+    reason no run can be compared (check_data.data_gate: the ranks hold different data): then every test that asks
+    for a run skips with it, and no run starts after it."""
 
-    def __init__(self, base: Path, waves: list[Wave]) -> None:
-        self.base, self.waves, self.done, self.failed = base, waves, {}, {}
+    def __init__(self, base: Path, waves: list[Wave], gate: Callable[["Waves"], str] | None = None) -> None:
+        self.base, self.waves, self.done, self.failed, self.gate = base, waves, {}, {}, gate
         self.wanted: set[str] | None = None
         self.jobs: dict[str, Callable] = {}  # built, not yet started
         self.started: list[str] = []  # in the order they started
+        self.stopped = ""  # the gate's reason
+        self.gated = gate is None  # the gate has been asked
 
     def want(self, names: set[str] | None) -> None:
         """The runs the session's tests read (None: unknown, start every run of a wave)."""
         self.wanted = names
 
     def __getitem__(self, name: str):
-        if name not in self.done and name not in self.failed:
+        self.folder(name)
+        if self.stopped:
+            pytest.skip(self.stopped)
+        if name in self.failed:
+            raise AssertionError(self.failed[name])
+        return self.done[name]
+
+    def folder(self, name: str) -> Path:
+        """The folder of run `name`, once it has run, whether it succeeded or failed (for a check that reads what a
+        failed run left)."""
+        if name not in self.done and name not in self.failed and not self.stopped:
             (wave,) = [w for w in self.waves if name in w.names]
             if not wave.started:
                 wave.started = True
@@ -315,9 +336,7 @@ class Waves:
                     self.failed |= dict.fromkeys(wave.names, str(error))
             if name in self.jobs:
                 self._start([n for n in wave.names if n in self.jobs and (n == name or self._wanted(n))])
-        if name in self.failed:
-            raise AssertionError(self.failed[name])
-        return self.done[name]
+        return self.base / name
 
     def _wanted(self, name: str) -> bool:
         return self.wanted is None or name in self.wanted
@@ -334,6 +353,8 @@ class Waves:
             else:  # a failed run, or the suite's own error making it: the tests that read it say which
                 said = "".join(traceback.format_exception(error)[-3:])
                 self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
+        if not self.gated and all(n in self.done or n in self.failed for n in GATED_BY):
+            self.gated, self.stopped = True, self.gate(self)
 
 
 def reads(*names: str, **by_parameter: dict[str, tuple[str, ...]]) -> Callable:
@@ -374,9 +395,9 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-def shared_runs(base: Path, steps: dict) -> Waves:
+def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None) -> Waves:
     """Every CPU run the suite reads (see the module's docstring), under `base`, with the steps they follow in
-    steps.json (what the suite measured of the configured model and data)."""
+    steps.json (what the suite measured of the configured model and data); `gate`: see Waves."""
     (base / "steps.json").write_text(json.dumps(steps, indent=1))
 
     def run(name: str, cmd: list[str], root: Path | None = None, ranks: int = 1) -> Callable[[], Run]:
@@ -391,9 +412,15 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     saves = tuple(steps["step_points"])  # the one-step runs' states
     first = {
         "1dev-fp64": run(
-            "1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], saves=saves))
+            "1dev-fp64",
+            main_cmd(
+                *fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], saves=saves, fingerprints=True)
+            ),
         ),
-        "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"]))),
+        "2dev-fp64": run(
+            "2dev-fp64",
+            main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"], fingerprints=True)),
+        ),
     }
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
@@ -503,7 +530,7 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
     ]
-    return Waves(base, waves)
+    return Waves(base, waves, gate)
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
@@ -520,6 +547,8 @@ def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
     return len(files), sum(files.values())
 
 
+# The runs whose ranks fingerprint their datasets (run_args' `fingerprints`), after which Waves' gate is asked.
+GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
 # The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step).
 ONE_STEP = ("step-1dev-fp32", "step-2dev-fp32", "step-1dev-bf16", "step-2dev-bf16", "step-1dev-fp64")
