@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1, help="processes; Lightning's launcher starts the others")
     args = p.parse_args()
     os.environ.setdefault("BENCH_TIMES", str(args.out))  # where StepTimer writes (the ranks inherit it)
+    torch.set_float32_matmul_precision(args.matmul_precision)  # every rank runs main()
     L.seed_everything(args.seed, verbose=False)  # before the model: the raw loop's initial weights
     module = Bare(baked_module(args.project, "digits.model").MLP(64, args.hidden_dim, args.num_layers, 10), args)
     module.train_set, module.val_set = template_split(args.project)

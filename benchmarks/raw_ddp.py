@@ -101,6 +101,12 @@ def parser(doc: str | None = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="all-reduce the step loss every N steps")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
+    p.add_argument(
+        "--matmul-precision",
+        choices=["highest", "high", "medium"],
+        default="highest",
+        help="torch.set_float32_matmul_precision; run.py passes what the template's default sets (TF32 on GPUs)",
+    )
     return p
 
 
@@ -108,6 +114,7 @@ def main() -> None:
     args = parser().parse_args()
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     gpu = args.accelerator == "gpu"
+    torch.set_float32_matmul_precision(args.matmul_precision)
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)

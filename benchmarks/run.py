@@ -120,12 +120,21 @@ def run_env(procs: int, args) -> dict:
     return env
 
 
+def matmul_precision(args) -> str:
+    """The float32 matmul precision the template's `--float32_matmul_precision auto` gives these runs: the other
+    two sides get the same, so that all three do the same math (TF32 on GPUs)."""
+    matmul = importlib.import_module("ddpkit.matmul")
+    device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
+    return matmul.float32_matmul_precision("auto", args.precision, device) or torch.get_float32_matmul_precision()
+
+
 def loop_flags(project: Path, name: str, args, extra: dict) -> list[str]:
     """The command-line flags of `raw_ddp.py` (and `bare_lightning.py`, which takes the same) for a config."""
     hidden, layers, epochs = CONFIGS[name]
     flags = {
         "project": project, "hidden-dim": hidden, "num-layers": layers, "global-batch-size": GLOBAL_BATCH,
-        "epochs": args.epochs or epochs, "accelerator": args.accelerator, "precision": args.precision, **extra,
+        "epochs": args.epochs or epochs, "accelerator": args.accelerator, "precision": args.precision,
+        "matmul-precision": matmul_precision(args), **extra,
     }  # fmt: skip
     return [f"--{k}={v}" for k, v in flags.items()]
 
@@ -211,8 +220,9 @@ def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> 
     row["timed_steps"] = pairs[0]["template"]["timed_steps"]
     if args.accelerator == "gpu":
         hidden, layers, _ = CONFIGS[name]
-        # 32-true: neither side enables TF32 matmuls (torch defaults to "highest"), so the plain FP32 peak.
-        dtype = "bf16" if args.precision.startswith("bf16") else "fp32"
+        # 32-true: TF32 matmuls on all three sides (matmul_precision), whose peak is the tensor cores' TF32 one.
+        tf32 = matmul_precision(args) != "highest"
+        dtype = "bf16" if args.precision.startswith("bf16") else "tf32" if tf32 else "fp32"
         peak = importlib.import_module("ddpkit.throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
         flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
         for side in ("raw", "bare", "template"):

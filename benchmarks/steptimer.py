@@ -4,7 +4,8 @@ Injected into the generated project's own `main.py` with
 `--trainer.callbacks+=steptimer.StepTimer` and `benchmarks/` on PYTHONPATH, so
 the project runs with its default config otherwise. It writes rank 0's record to
 the JSON file named by the environment variable BENCH_TIMES (every rank gets the
-same environment; only rank 0 writes) and the final weights to BENCH_TIMES.weights.pt.
+same environment; only rank 0 writes) and the final weights to BENCH_TIMES.weights.pt. `WindowTimer`, for
+`lm.py`, adds device-synchronized windows.
 """
 
 import json
@@ -42,6 +43,47 @@ class StepTimer(L.Callback):
             # The final weights, saved here because Lightning 2.6's last.ckpt is only rewritten when a
             # top-k checkpoint is saved at the same step: with save_top_k=1 it holds the best epoch.
             torch.save(pl_module.state_dict(), os.environ["BENCH_TIMES"] + ".weights.pt")
+
+
+class WindowTimer(StepTimer):
+    """StepTimer plus one window per epoch, from its first batch's start to its last batch's end, with the device
+    idle at both ends (CUDA synchronized there), for `lm.py`: on a GPU the host runs ahead of the device, so
+    only such a window measures the device's throughput. Saves the final weights only when BENCH_WEIGHTS names
+    a file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.windows: list[list] = []  # [epoch, start, end, batches]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            sync(pl_module.device)
+            self.windows.append([trainer.current_epoch, time.perf_counter(), None, 0])
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.windows[-1][3] += 1
+        if batch_idx == trainer.num_training_batches - 1:
+            sync(pl_module.device)
+            self.windows[-1][2] = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0 and os.environ.get("BENCH_TIMES"):
+            record = {
+                "starts": self.starts,
+                "windows": self.windows,
+                "first_step_wall": self.first_step_wall,
+                "world_size": trainer.world_size,
+            }
+            with open(os.environ["BENCH_TIMES"], "w") as f:
+                json.dump(record, f)
+            if os.environ.get("BENCH_WEIGHTS"):
+                torch.save(pl_module.state_dict(), os.environ["BENCH_WEIGHTS"])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class CPUTimeProfiler(SimpleProfiler):

@@ -9,15 +9,24 @@ import sys
 from pathlib import Path
 
 import yaml
-from cookiecutter.main import cookiecutter
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 WORKFLOW = ".github/workflows/tests.yml"
 
 
 def bake(out_dir: Path, **context: str) -> Path:
-    """Generate a project with `context` overriding cookiecutter.json; return its directory."""
-    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out_dir), extra_context=context))
+    """Generate a project with `context` overriding cookiecutter.json; return its directory.
+
+    In a process of its own: cookiecutter changes the working directory while it renders, and the background jobs
+    bake in threads of the test process (two bakes at once failed with files not found, 2026-12-04)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(out_dir.iterdir())
+    args = [f"{key}={value}" for key, value in context.items()]
+    cmd = [sys.executable, "-m", "cookiecutter", "--no-input", "-o", str(out_dir), str(TEMPLATE), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, f"{' '.join(cmd)} exited {result.returncode}:\n{result.stdout}{result.stderr}"
+    (project,) = set(out_dir.iterdir()) - before
+    return project
 
 
 def fresh_env(venv: Path) -> dict[str, str]:

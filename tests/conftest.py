@@ -4,9 +4,9 @@ tests run in.
 The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
 first, while nothing else of ours runs. The first test after them queues the long jobs that time nothing, those
 its session will read: the generated README's commands (readme_commands.py), the own project's story
-(own_project.py), the oldest releases (test_oldest.py) and the benchmark's tiny run (test_benchmarks.py), with
-tests/library's early jobs, in one queue (tests/library/early.py: a few at a time, the longest first). The other
-tests run meanwhile; the ones that read a job wait for its result.
+(own_project.py), the oldest releases (test_oldest.py), the benchmarks' tiny runs (test_benchmarks.py) and
+the GPU check's dry run (test_gpu_check.py), with tests/library's early jobs, in one queue (tests/library/early.py: a
+few at a time, the longest first). The other tests run meanwhile; the ones that read a job wait for its result.
 From then on, the processes the tests start let idle OpenMP threads sleep (`idle_threads_sleep`).
 
 Tests marked `environ` (tests/library/test_environment.py: units whose input is a variable they set in this process)
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent / "library"))  # early.py, the one 
 import early  # noqa: E402
 
 # Session fixtures that start a background job, started by the first test that is not a timing one.
-BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run", "oldest_run")
+BACKGROUND = ("readme_runs", "own_project_story", "benchmark_run", "oldest_run", "gpu_check_dry")
 
 
 MAIN_PID = os.getpid()
@@ -178,11 +178,19 @@ def _readme_runs(request) -> Callable[[Path], dict]:
     return job
 
 
-def _benchmark_run(request) -> Callable[[Path], tuple]:
-    """The benchmark's tiny run (test_benchmarks.run_benchmark); its tests wait for the report."""
-    from test_benchmarks import run_benchmark
+def _benchmark_run(request) -> Callable[[Path], dict]:
+    """The benchmarks' tiny runs, the MLP's and the language model's (test_benchmarks.run_benchmarks); their tests
+    wait for the reports."""
+    from test_benchmarks import run_benchmarks
 
-    return lambda folder: run_benchmark(folder / "report.json")
+    return run_benchmarks
+
+
+def _gpu_check_dry(request) -> Callable[[Path], tuple]:
+    """The GPU check's dry run in this environment (test_gpu_check.dry_run); its tests wait for the record."""
+    from test_gpu_check import dry_run
+
+    return dry_run
 
 
 def _oldest_run(request) -> Callable[[Path], dict]:
@@ -199,21 +207,28 @@ def _own_project_story(request) -> Callable[[Path], dict]:
     return story
 
 
+# Each job's fixture depends on the jobs' start: session fixtures are set up before the modules' autouse one, so a run
+# of one of these tests alone (test_benchmarks.py, say) would ask for its job before anything started it.
 @pytest.fixture(scope="session")
-def readme_runs() -> Future:
+def readme_runs(idle_threads_sleep, background) -> Future:
     return early.future("readme_runs")
 
 
 @pytest.fixture(scope="session")
-def benchmark_run() -> Future:
+def benchmark_run(idle_threads_sleep, background) -> Future:
     return early.future("benchmark_run")
 
 
 @pytest.fixture(scope="session")
-def oldest_run() -> Future:
+def gpu_check_dry(idle_threads_sleep, background) -> Future:
+    return early.future("gpu_check_dry")
+
+
+@pytest.fixture(scope="session")
+def oldest_run(idle_threads_sleep, background) -> Future:
     return early.future("oldest_run")
 
 
 @pytest.fixture(scope="session")
-def own_project_story() -> Future:
+def own_project_story(idle_threads_sleep, background) -> Future:
     return early.future("own_project_story")

@@ -7,7 +7,8 @@ project baked before that preset existed would lack it); then the template relea
 manual page and a new preset) and the user runs `cruft update`, installs with the baked workflow's own steps in a
 new virtual environment (only the torch step changes: this machine's CPU wheel of the same pin), takes the presets
 `configs/` lacks with `python -m ddpkit.presets`, runs the workflow's remaining steps, and runs the first-wave
-parity tests on three classic DDP bugs. The user's model takes a learning-rate schedule and shards its layers
+parity tests on three classic DDP bugs; meanwhile, in the same environment, the GPU check's dry run
+(.ci/gpu_check.py, tests/test_gpu_check.py). The user's model takes a learning-rate schedule and shards its layers
 under ModelParallelStrategy (the model_parallel preset), so that the suite's schedule and sharded parity run. Every
 outcome is recorded; the tests read the record."""
 
@@ -250,6 +251,8 @@ PARITY_SELECTED = [
 
 
 BUGS = ["SumLoss", "UnsyncedBatchNorm", "UnsyncedMetric"]
+# The GPU check's steps that its dry run in this environment leaves to the one in CI's (test_gpu_check.py).
+GPU_CHECK_SKIPPED = ["bake-tests", "fp64-2-ranks"]
 
 
 def story(base: Path) -> dict:
@@ -320,6 +323,15 @@ def story(base: Path) -> dict:
         started = sorted(p.stem for p in (temporary / "runs0").glob("*.log"))  # a log a run started
         return result.returncode, result.stdout, started
 
-    with ThreadPoolExecutor(len(BUGS)) as pool:  # independent pytest sessions, each in its own temporary dirs
+    # The GPU check's dry run in this environment, which holds only what `.[dev]` installs (test_gpu_check.py).
+    find = "import importlib.util as u; print(' '.join(m for m in ('optuna', 'mlflow', 'wandb') if u.find_spec(m)))"
+    record["optional_installed"] = run(["python", "-c", find], project, timeout=60, env=env).stdout.split()
+    from test_gpu_check import dry_run
+
+    python = str(base / "venv" / "bin" / "python")
+    (base / "gpu-check").mkdir()
+    with ThreadPoolExecutor(len(BUGS) + 1) as pool:  # independent pytest sessions, each in its own temporary dirs
+        gpu_check = pool.submit(dry_run, base / "gpu-check", python, GPU_CHECK_SKIPPED, env)
         record["bugs"] = dict(zip(BUGS, pool.map(bug_run, BUGS), strict=True))
+        record["gpu_check"] = gpu_check.result()
     return record

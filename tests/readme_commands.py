@@ -83,6 +83,8 @@ DOCTOR_LINES = [
     "verdict: ",
 ]
 TUNE_TESTS = "tests/library/test_tune.py::"
+LR_FINDER_TESTS = "tests/library/test_lr_finder.py::"
+TUNE_SCHEDULE = "tests/library/test_tune_schedule.py::"
 SWEEP_HEADER = "| devices | samples/s | speed-up | efficiency | step ms | ideal ms | gap ms | compute | comm | data |"
 
 GENERATED = {
@@ -222,6 +224,24 @@ GENERATED = {
     "sbatch --array=0-3 cluster/tune.sbatch --space configs/tune.yaml --trials 40": Elsewhere(
         TUNE_TESTS + "test_killed_worker_leaves_no_process_and_its_trial_runs_again"
     ),
+    # The finder's runs are the library's tests' (on the example, float64): a run in the docs' environment would
+    # start the same ranks again.
+    "python -m ddpkit.lr_finder": Elsewhere(
+        LR_FINDER_TESTS + "test_the_suggestion_is_printed_and_written_as_the_optimizer_argument"
+    ),
+    "python -m ddpkit.lr_finder --devices 2 -- --trainer.accelerator cpu": Elsewhere(
+        LR_FINDER_TESTS + "test_one_and_two_devices_sweep_the_same_curve"
+    ),
+    "python main.py fit --config config.yaml --config lr_find/lr.yaml": Elsewhere(
+        LR_FINDER_TESTS + "test_the_suggestion_is_printed_and_written_as_the_optimizer_argument"
+    ),
+    # An 8-GPU node: two workers on 8 faked GPUs, 2 per trial, on fits that train nothing.
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 40 --devices 2": Elsewhere(
+        TUNE_SCHEDULE + "test_packed_trials_get_disjoint_gpus_and_ports_and_fill_the_node"
+    ),
+    "python -m ddpkit.tune --space configs/tune.yaml --trials 8 --parallel 2 -- --trainer.accelerator cpu": Elsewhere(
+        TUNE_TESTS + "test_a_worker_runs_its_trials_at_once"
+    ),
     "python main.py validate --ckpt_path last": Run(expect=["validate: --ckpt_path last is ", "Validate metric"]),
     "python main.py test     --ckpt_path best": Run(expect=["test: --ckpt_path best is ", "Test metric"]),
     "python main.py predict  --ckpt_path last": Run(expect=["predict: --ckpt_path last is ", "predictions to "]),
@@ -251,7 +271,7 @@ ROOT = {
         "&& python -m pytest tests"
     ): Elsewhere("tests/test_bake.py::test_ci_runs_the_readme_test_command"),
     "python .ci/gpu_check.py": NeedsGPU(
-        "no CUDA GPU is visible: .ci/gpu_check.py runs what needs one; CI runs the rest"
+        "no CUDA GPU is visible: .ci/gpu_check.py runs what needs one (--dry-run: its steps on CPU); CI runs the rest"
     ),
 }
 

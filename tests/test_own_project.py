@@ -6,10 +6,12 @@ come from the installed library with `python -m ddpkit.presets`. The story runs 
 started by tests/conftest.py); these tests read its record."""
 
 import json
+import re
 
 import pytest
 from own_project import (
     DELETED,
+    GPU_CHECK_SKIPPED,
     LACKED_PRESET,
     LIBRARY,
     MANUAL_CHANGE,
@@ -19,6 +21,7 @@ from own_project import (
     PRESET_COMMANDS,
     tree,
 )
+from test_gpu_check import gpu_check
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +115,18 @@ def test_selected_tests_start_only_the_runs_they_read(own_project):
     for bug, (_, _, started) in own_project["bugs"].items():
         reference = "1dev-reversed-fp64" if bug == "UnsyncedBatchNorm" else "1dev-acc4-fp64"
         assert started == sorted(["1dev-fp64", "2dev-fp64", reference, *one_step]), (bug, started)
+
+
+def test_gpu_check_dry_run_needs_nothing_beyond_the_projects_dev_install(own_project):
+    """In the project's own environment (`pip install -e ".[dev]"`: no optuna, MLflow or W&B) the GPU check's dry
+    run passes the steps that CI's own dry run leaves to it: the library's GPU-marked tests collect (only the files
+    that hold one) and skip without GPUs, the benchmark runs on CPU, the comparisons and the doctor read their fit."""
+    assert own_project["optional_installed"] == []
+    code, out, steps = own_project["gpu_check"]
+    assert code == 0, out[-4000:]
+    skipped = [s.name for s in gpu_check.STEPS if s.key in GPU_CHECK_SKIPPED]
+    assert sorted(steps) == sorted(s.name for s in gpu_check.STEPS if s.name not in skipped), out[-4000:]
+    verdict, detail, _ = steps["the library's GPU-marked tests"]
+    assert verdict == "PASS" and re.match(r"\d+ skipped, \d+ deselected", detail), detail
+    verdict, detail, _ = steps["the benchmark: template / bare Lightning, template / raw DDP"]
+    assert verdict == "PASS" and "max weight diff 0.0e+00" in detail, detail

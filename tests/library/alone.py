@@ -10,9 +10,11 @@ TESTS = Path(__file__).resolve().parent
 
 # How far a part of the doctor's step may be from the same work timed alone (ms, given the time alone), both
 # sides without the time threads waited for a CPU: above the worst of 11 runs, idle and beside CPU hogs, and
-# still below what the comm part held before it left that wait out (docs/measurements.md, the scaling doctor).
+# still below what the comm part held before it left that wait out (docs/measurements.md, the scaling doctor). The
+# 32 MB all-reduce, bound by memory bandwidth that no wait counter sees, moved both ways in CI: +50% and -43% of
+# alone (2026-12-04), so comm allows half of alone; digits' 2.65 ms over 0.85 alone still exceeds it.
 TOLERANCE = {
-    "comm": lambda alone: 0.35 * alone + 1.5,
+    "comm": lambda alone: 0.5 * alone + 1.5,
     "data": lambda alone: 0.05 * alone + 1.5,
 }
 

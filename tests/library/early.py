@@ -30,6 +30,7 @@ ORDER = [
     "batchnorm_cli_runs",
     "cluster_jobs",
     "faults",
+    "lr_finder_runs",
     "preflight",
     "trackers",
     "family_sessions",
@@ -37,8 +38,10 @@ ORDER = [
     "own_project_story",
     "tune_ddp",
     "tune_workers",
+    "tune_schedule",
     "tune_metric",
     "benchmark_run",
+    "gpu_check_dry",
 ]
 
 JOBS: dict[str, Callable[[Path], Any]] = {}

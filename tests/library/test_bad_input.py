@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddpkit import checks
 from ddpkit.checks import carried_init_args, given_keys
 from ddpkit.cli import (
     BadInput,
@@ -171,6 +172,25 @@ def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
     check_state_dict_fits(ToyClassifier(), path)
     with pytest.raises(BadInput, match="holds weights of a different model"):
         check_state_dict_fits(ToyClassifier(hidden_dim=8), path)
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "shards_on_cpu", "refused"),
+    [("cpu", False, True), ("gpu", False, False), ("cpu", True, False)],
+    ids=["cpu-before-2.6", "gpu", "cpu-from-2.6"],
+)
+def test_sharding_on_cpu_is_refused_where_fsdp2_needs_cuda(monkeypatch, accelerator, shards_on_cpu, refused):
+    """ModelParallelStrategy on CPU processes is refused in one line naming torch's version where FSDP2 needs CUDA
+    (before torch 2.6), and passes the check on GPUs or where torch shards on CPU."""
+    monkeypatch.setattr(checks, "shards_on_cpu", lambda: shards_on_cpu)
+    sharded = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}
+    expected = rf"from torch 2.6; this is torch {re.escape(torch.__version__)}: train it on GPUs"
+    if refused:
+        with pytest.raises(BadInput, match=expected):
+            checks.check_sharding_device({"accelerator": accelerator, "strategy": sharded})
+    else:
+        checks.check_sharding_device({"accelerator": accelerator, "strategy": sharded})
+    checks.check_sharding_device({"accelerator": accelerator, "strategy": "ddp"})  # DDP runs anywhere
 
 
 def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_path):

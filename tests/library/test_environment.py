@@ -1,5 +1,5 @@
-"""Units whose input is the process's environment: torchrun's and SLURM's variables, TQDM_MINITERS. Each sets them
-in this process (monkeypatch.setenv), which every process started meanwhile would inherit: a background job's run
+"""Units whose input is the process's environment: torchrun's and SLURM's variables, the CLI's defaults. Each sets
+them in this process (monkeypatch.setenv), which every process started meanwhile would inherit: a background job's run
 that sees SLURM_JOB_ID or WORLD_SIZE takes its ranks from there (a BERT's whole-suite session once ran another
 test's ResNet, from PARITY_ARGS set this way). So this module runs before the background jobs start, after the
 timing tests (tests/conftest.py), and conftest.py fails any other test that sets a variable while jobs run."""
@@ -11,9 +11,9 @@ import sys
 import pytest
 from jsonargparse import Namespace
 
-from ddpkit import tune
 from ddpkit.cli import BadInput, main, match_torchrun, place_loggers, requeued_run
 from ddpkit.trackers import RUN_IDS, continue_trackers
+from ddpkit.tune_run import trial_env
 
 pytestmark = pytest.mark.environ
 
@@ -114,22 +114,26 @@ def test_trials_do_not_see_slurm(monkeypatch):
     """A worker in an array task keeps SLURM's variables from its trials (Lightning would take ranks from srun)."""
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    env = tune.trial_env(X="1")
+    env = trial_env(X="1")
     assert not [k for k in env if k.startswith("SLURM_")] and env["X"] == "1" and env["PATH"] == os.environ["PATH"]
 
 
 # ---- TQDM -------------------------------------------------------------------------------------------------------
 
 
-def test_tqdm_bar_redraws_every_10th_step_unless_the_user_says_otherwise(tmp_path, monkeypatch, capsys):
-    """The CLI defaults TQDM_MINITERS to 10 (Lightning's TQDM bar reads it) and keeps a value already set."""
-    monkeypatch.delenv("TQDM_MINITERS", raising=False)
+@pytest.mark.parametrize(
+    ("name", "default", "own"), [("TQDM_MINITERS", "10", "1"), ("TORCH_FR_BUFFER_SIZE", "2000", "0")]
+)
+def test_cli_defaults_a_variable_unless_the_user_set_it(tmp_path, monkeypatch, capsys, name, default, own):
+    """The CLI defaults TQDM_MINITERS to 10 (Lightning's TQDM bar redraws every 10th step) and TORCH_FR_BUFFER_SIZE
+    to 2000 (torch 2.8 records no gloo collective for the hang report without it), and keeps a value already set."""
+    monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["main.py"])  # not pytest's arguments
-    for expected in ("10", "1"):
+    for expected in (default, own):
         with pytest.raises(SystemExit):  # --help: the variable is set before anything is parsed
             main(tmp_path / "no-config.yaml", ["--help"])
-        assert os.environ["TQDM_MINITERS"] == expected
-        monkeypatch.setenv("TQDM_MINITERS", "1")
+        assert os.environ[name] == expected
+        monkeypatch.setenv(name, own)
 
 
 # ---- the guard ----------------------------------------------------------------------------------------------------

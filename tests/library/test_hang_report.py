@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 import torch
 
 from ddpkit import hang
@@ -38,6 +39,19 @@ def test_report_names_the_rank_behind_its_line_and_a_rank_without_dump(tmp_path)
     assert f"  rank 0: waits in collective #9 gloo:all_reduce (Timed out); at {TORCH}/autograd/graph.py:5" in text
     assert "  rank 2: no dump (on node1, or blocked outside Python)\n" in text
     assert text.count("was behind") == 1
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["recorder-off", "torch-before-2.8"])
+def test_a_dump_without_collectives_says_why(tmp_path, monkeypatch, records):
+    """A rank whose dump holds no collectives is reported with the reason: the flight recorder was switched off, or
+    this torch (named) records none for gloo, as before 2.8."""
+    monkeypatch.setattr(hang, "records_gloo_collectives", lambda: records)
+    dump = RankDump(0, "node0", 100, True, "Timed out", [Frame(USER, 42, "training_step", "x = next(it)")], [])
+    (tmp_path / "rank0.json").write_text(json.dumps(asdict(dump)))
+    before_2_8 = f"torch {torch.__version__} does not record gloo's collectives; 2.8 and later do"
+    why = "TORCH_FR_BUFFER_SIZE=0?" if records else before_2_8
+    text = hang.report(tmp_path, 1)
+    assert f"  rank 0: no collective recorded ({why}); at {USER}:42 in training_step: x = next(it)\n" in text, text
 
 
 SIGTERM_AFTER_DUMP = """

@@ -3,6 +3,8 @@
 When one of these fails after an upgrade, ddp/lightning_internals.py is the one file to mend.
 """
 
+import os
+
 import lightning as L
 import pytest
 import torch
@@ -13,7 +15,10 @@ from torch.distributed.constants import default_pg_timeout
 
 from ddpkit import lightning_internals as internals
 
-VERSIONS = f"Lightning {L.__version__}, torch {torch.__version__} (the library is tested on Lightning 2.5.1 and 2.6.6)"
+VERSIONS = (
+    f"Lightning {L.__version__}, torch {torch.__version__} (the library is tested on Lightning 2.5.1 with torch 2.4.0 "
+    "and Lightning 2.6.6 with torch 2.13.0)"
+)
 
 
 @pytest.mark.parametrize(
@@ -171,9 +176,15 @@ def test_subcommand_hook_wraps_the_whole_run(tmp_path):
     assert calls == ["start fit", "before_fit", "after_fit", "end fit after 2 steps"], VERSIONS
 
 
-def test_flight_recorder_and_store_of_a_process_group(tmp_path):
-    """The flight recorder lists each collective of a gloo group with its sequence number and kind, newest last;
-    the default store holds what a rank sets (hang.py's addresses)."""
+@pytest.mark.environ  # sets TORCH_FR_BUFFER_SIZE, as the CLI does, before its process group forms
+def test_flight_recorder_and_store_of_a_process_group(tmp_path, monkeypatch):
+    """With TORCH_FR_BUFFER_SIZE as the CLI sets it, the flight recorder lists each collective of a gloo group with
+    its sequence number and kind, newest last (torch 2.8 on; before, it lists none); the default store holds what a
+    rank sets (hang.py's addresses)."""
+    from ddpkit.hang import FLIGHT_RECORDER_ENV
+
+    if FLIGHT_RECORDER_ENV[0] not in os.environ:
+        monkeypatch.setenv(*FLIGHT_RECORDER_ENV)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         torch.distributed.all_reduce(torch.ones(3))
@@ -185,5 +196,49 @@ def test_flight_recorder_and_store_of_a_process_group(tmp_path):
     finally:
         torch.distributed.destroy_process_group()
     kinds = [(e["collective_seq_id"], e["profiling_name"]) for e in newest]
-    assert kinds == [(1, "gloo:all_reduce"), (2, "gloo:barrier"), (3, "gloo:broadcast")], (kinds, VERSIONS)
+    recorded = [(1, "gloo:all_reduce"), (2, "gloo:barrier"), (3, "gloo:broadcast")] if torch_at_least("2.8") else []
+    assert kinds == recorded and internals.records_gloo_collectives() == torch_at_least("2.8"), (kinds, VERSIONS)
     assert stored == b"host 123"
+
+
+# ---- torch's names that arrived inside the supported range (TORCH_SINCE) -----------------------------------------
+
+
+def torch_at_least(version: str) -> bool:
+    return Version(torch.__version__.split("+")[0]) >= Version(version)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "since"), internals.TORCH_SINCE, ids=[f"{o.__name__}.{n}" for o, n, _ in internals.TORCH_SINCE]
+)
+def test_torch_name_exists_from_its_release_on(owner, name, since):
+    """A torch name that the oldest supported torch lacks exists exactly from the release that added it."""
+    assert hasattr(owner, name) == torch_at_least(since), f"{owner.__name__}.{name}, since {since}: {VERSIONS}"
+
+
+def test_fully_shard_shards_on_every_supported_torch(tmp_path):
+    """FSDP2's `fully_shard`, found at its path for this torch, turns a module's parameters into DTensors on a
+    1-process gloo mesh; its forward on CPU gives the unsharded module's output exactly where `shards_on_cpu` says
+    it runs (torch 2.6 on), and fails for want of CUDA before."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ddpkit.sharding import shards_on_cpu
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+        expected = layer(x)
+        internals.fully_shard_function()(layer, mesh=init_device_mesh("cpu", (1,)))
+        kinds = {type(p).__name__ for p in layer.parameters()}
+        if shards_on_cpu():
+            out = layer(x)
+        elif not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match="CUDA"):
+                layer(x)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert kinds == {"DTensor"}, (kinds, VERSIONS)
+    assert shards_on_cpu() == torch_at_least("2.6")
+    if shards_on_cpu():
+        assert torch.equal(out, expected)

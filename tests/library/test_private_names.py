@@ -167,7 +167,7 @@ def test_clean_snippet_reports_nothing():
     assert snippet_uses("""
         import os
         from lightning.pytorch.callbacks import Callback
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
         class Mine(Callback):
             _limit = 3
@@ -177,7 +177,7 @@ def test_clean_snippet_reports_nothing():
 
             def _step(self):
                 self._count += self._limit
-                return fully_shard, os._exit
+                return FullyShardedDataParallel, os._exit
         """) == []
 
 

@@ -6,11 +6,14 @@ Three jobs start with the session (early.py): most of their time is process star
 - "tune_ddp": a study (journal storage) of 4 trials on 2 CPU processes in float64. A GridSampler gives two trials
   lr 3 (they diverge: the ThresholdPruner prunes them at their first validation) and two lr 0.003 (complete), at
   hidden_dim 16 and 32; each rank prints the values it trains with (value_probe.py). Then best.yaml is trained on
-  1 device. Beside it, a study whose pruner prunes every trial at its first report.
+  1 device. Beside it, a study of a conditional space (AdamW, or SGD with its momentum) whose pruner prunes every
+  trial at its first report, keeping every trial's checkpoints.
 - "tune_workers": cluster/tune.sbatch as 2 tasks of a SLURM job array on a PostgreSQL study (a real server,
-  started for it), 4 trials of 1 process whose steps sleep; task 0's worker is killed (-9) in its first trial's
-  training, then started again.
+  started for it), 4 trials of 1 process whose steps sleep, task 1 running 2 trials at once; task 0's worker is
+  killed (-9) after its first trial's first checkpoint, then started again.
 - "tune_metric": a study (the default SQLite storage) whose metric the model never logs.
+How the workers schedule trials (values, devices, restarts) is tested on fits that train nothing:
+test_tune_schedule.py.
 """
 
 import os
@@ -39,10 +42,16 @@ from ddpkit.scaling import SWEEP_MARKER
 from ddpkit.study import HEARTBEAT, NOTE, RETRY_OF, BadInput, Space, fail_stale, open_storage, open_study, surplus
 from ddpkit.testing.check_parity import BOUNDS
 from ddpkit.testing.fake_cluster import free_port, sbatch_options, slurm_array_env
+from ddpkit.tune_devices import Claim
+from ddpkit.tune_report import fmt
+from ddpkit.tune_space import argument
+from ddpkit.tune_worker import Worker, run_one, stop, work
 
 SCRIPT = Path(__file__).resolve().parents[2] / "{{cookiecutter.project_slug}}" / "cluster" / "tune.sbatch"
 TUNE = [sys.executable, "-m", "ddpkit.tune", "--main", "ddpkit.toy"]
-TIMEOUT = 300
+# A whole study's bound, for a hang to fail rather than block: the 4-trial DDP study ran 242 s in CI of 2026-12-04 and
+# 509-623 s on a machine shared by several sessions (docs/measurements.md); 600 s leaves CI twice its figure.
+TIMEOUT = 600
 # 256 training samples in global batches of 64: 4 steps an epoch, a validation after each.
 DDP_FIT = [
     *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
@@ -70,16 +79,25 @@ sampler:
   init_args: {{search_space: {GRID}, seed: 0}}
 pruner: {{class_path: optuna.pruners.ThresholdPruner, init_args: {{upper: 5.0}}}}
 """
+# The optimizer's class and, for SGD only, its momentum: two trials (the brute-force sampler tries each branch once).
 # Every val/loss is over 0: this pruner prunes each trial at its first report.
-ALL_PRUNED_SPACE = DDP_SPACE.replace("upper: 5.0", "upper: 0.0")
+CONDITIONAL_SPACE = """
+metric: val/loss
+params:
+  model.init_args.optimizer: {choices: [torch.optim.AdamW, torch.optim.SGD]}
+  model.init_args.optimizer.init_args.momentum: {choices: [0.9], when: {model.init_args.optimizer: torch.optim.SGD}}
+sampler: {class_path: optuna.samplers.BruteForceSampler}
+pruner: {class_path: optuna.pruners.ThresholdPruner, init_args: {upper: 0.0}}
+"""
 DDP_JOURNAL = "journal:tune/study.journal"
-# 8 steps of 32 samples that sleep 0.4 s each: 3.2 s of training per trial. A worker is killed as its trial starts
-# training: the trial's rank 0 notices within a second (it watches the worker), long before its validation, where
-# it would also find the worker's pipe closed.
+# 12 steps of 32 samples that sleep 0.4 s each (4.8 s of training per trial), a validation and a checkpoint every 4.
+# A worker is killed once its trial has a checkpoint: the trial's rank 0 notices within a second (it watches the
+# worker), or at its next validation, where it finds the worker's pipe closed before the checkpoint is written.
 WORKERS_FIT = [
-    *("--trainer.accelerator", "cpu", "--trainer.max_epochs", "1", "--data.train_size", "256"),
+    *("--trainer.accelerator", "cpu", "--trainer.max_epochs", "1", "--data.train_size", "384"),
     *("--data.global_batch_size", "32", "--trainer.enable_progress_bar", "false", "--doctor.enabled", "false"),
     *("--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe", "--trainer.callbacks.sleep_per_step", "0.4"),
+    *("--trainer.val_check_interval", "4", "--trainer.callbacks+=value_probe.TimeProbe"),
 ]
 # No seed: workers seeded alike would propose the same values.
 WORKERS_SPACE = """
@@ -129,14 +147,21 @@ def last_ckpt(run: Path) -> dict:
 @early.early("tune_ddp")
 def _tune_ddp(base: Path) -> dict:
     """The study's worker (output, exit status, its processes left after it ended), the trials as the study holds
-    them, and best.yaml trained on 1 device; the same of the study whose every trial is pruned (key "pruned")."""
+    them, and best.yaml trained on 1 device; the same of the conditional study whose every trial is pruned (key
+    "pruned")."""
     (base / "space.yaml").write_text(DDP_SPACE)
     (base / "pruned").mkdir()
-    (base / "pruned" / "space.yaml").write_text(ALL_PRUNED_SPACE)
+    (base / "pruned" / "space.yaml").write_text(CONDITIONAL_SPACE)
     env = {"OMP_NUM_THREADS": "1"}
     cmd = [*TUNE, "--space", "space.yaml", "--devices", "2", "--storage", DDP_JOURNAL]
-    studies = (("4", base), ("2", base / "pruned"))  # started together: most of a trial is start-up
-    procs = [start([*cmd, "--trials", n, "--", *DDP_FIT], folder, env) for n, folder in studies]
+    studies = (  # started together: most of a trial is start-up
+        (["--trials", "4", "--", *DDP_FIT], base),
+        (
+            ["--trials", "2", "--checkpoints", "all", "--", *DDP_FIT, "--model", "value_probe.OptimizerToy"],
+            base / "pruned",
+        ),
+    )
+    procs = [start([*cmd, *args], folder, env) for args, folder in studies]
     (done, pruned_done) = (finish(proc, TIMEOUT) for proc in procs)
     left = processes_in(base) + processes_in(base / "pruned")
     trials = load(DDP_JOURNAL.replace("journal:", f"journal:{base}/"), "space").get_trials()
@@ -188,8 +213,8 @@ def test_study_holds_4_finished_trials_none_failed_or_running(tune_ddp):
 
 def test_each_rank_trains_the_trials_values(tune_ddp):
     """Every rank of every trial trains with the values the study chose, as the model and its optimizer hold them
-    (value_probe.py); the run's saved config and its weights' shapes agree, and both ranks end at one step. A rank
-    that drew its own lr would train on silently (the shapes match); its probe line would show it."""
+    (value_probe.py); the run's saved config agrees, and both ranks end at one step. A rank that drew its own lr
+    would train on silently (the shapes match); its probe line would show it."""
     assert tune_ddp["code"] == 0, tune_ddp["out"][-4000:]
     for trial in tune_ddp["trials"]:
         lr, width = values(trial)
@@ -199,34 +224,56 @@ def test_each_rank_trains_the_trials_values(tune_ddp):
         run = tune_ddp["base"] / "tune" / f"trial_{trial.number:04d}" / "lightning_logs" / "version_0"
         saved = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]
         assert (saved["lr"], saved["hidden_dim"]) == (lr, width)
-        assert last_ckpt(run.parent.parent)["state_dict"]["net.0.weight"].shape == (width, 64)
         ends = re.findall(r"RANK_PROBE_END global=(\d) step=(\d+)", log)
         assert sorted(ends) == [("0", ends[0][1]), ("1", ends[0][1])], ends
 
 
+def test_a_study_keeps_the_best_trials_checkpoints_only(tune_ddp):
+    """The default --checkpoints best: of the 4 trials' checkpoints (each wrote best and last), the study leaves the
+    best trial's two, with its weights (hidden_dim wide); the conditional study with --checkpoints all leaves both
+    files of each of its 2 trials."""
+    assert tune_ddp["code"] == 0, tune_ddp["out"][-4000:]
+    best = min(by_lr(tune_ddp["trials"], 0.003), key=lambda t: t.value)
+    tune_dir = tune_ddp["base"] / "tune"
+    left = sorted(str(p.relative_to(tune_dir)) for p in tune_dir.rglob("*.ckpt"))
+    run = f"trial_{best.number:04d}/lightning_logs/version_0/checkpoints"
+    assert len(left) == 2 and left[1] == f"{run}/last.ckpt" and left[0].startswith(f"{run}/best-"), left
+    assert last_ckpt(tune_dir / f"trial_{best.number:04d}")["state_dict"]["net.0.weight"].shape == (values(best)[1], 64)
+    kept = sorted(p.parent.parent.parent.parent.name for p in (tune_ddp["base"] / "pruned" / "tune").rglob("*.ckpt"))
+    assert kept == sorted(2 * [f"trial_{t.number:04d}" for t in tune_ddp["pruned"]["trials"]]), kept
+
+
 def test_pruned_trial_stops_every_rank_after_the_same_step_and_exits_cleanly(tune_ddp):
-    """lr 3 diverges: its first validation (step 4) is over the pruner's threshold, every rank stops after that step
-    (the decision broadcast from rank 0), the fit ends as a finished one (exit 0, last.ckpt at step 4), no rank
-    reports a hang or an error, and the trial is PRUNED; lr 0.003 completes with its last validation's value."""
+    """lr 3 diverges: its first validation (step 4: 256 samples, the clock the pruner compares at) is over the
+    pruner's threshold, every rank stops after that step (the decision broadcast from rank 0), the fit ends as a
+    finished one (exit 0), no rank reports a hang or an error, and the trial is PRUNED; lr 0.003 completes with its
+    last validation's value. The worker says one line per validation."""
     assert tune_ddp["code"] == 0, tune_ddp["out"][-4000:]
     for pruned in by_lr(tune_ddp["trials"], 3.0):
         assert_pruned_at_first_validation(tune_ddp["base"], pruned, tune_ddp["out"])
-        assert pruned.intermediate_values[4] > 5.0
+        assert pruned.intermediate_values[256] > 5.0
     for complete in by_lr(tune_ddp["trials"], 0.003):
-        assert complete.state == TrialState.COMPLETE and list(complete.intermediate_values) == [4, 8]
-        assert complete.value == complete.intermediate_values[8]
+        assert complete.state == TrialState.COMPLETE and list(complete.intermediate_values) == [256, 512]
+        assert complete.value == complete.intermediate_values[512]
+        for step, samples in ((4, 256), (8, 512)):
+            value = fmt(complete.intermediate_values[samples])
+            line = f"trial {complete.number}: step {step}, {samples} samples: val/loss {value}: go on"
+            assert line in tune_ddp["out"]
     assert tune_ddp["left"] == [], "processes left behind by the studies"
 
 
-def assert_pruned_at_first_validation(base: Path, trial, out: str) -> None:
-    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [4]
+def assert_pruned_at_first_validation(base: Path, trial, out: str, kept: bool = False) -> None:
+    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [256]
     log = trial_log(base, trial.number)
     stops = sorted(line for line in log.splitlines() if "stopping after step" in line)
     assert stops == [f"rank {r}: pruned: stopping after step 4" for r in (0, 1)], log[-3000:]
     assert sorted(re.findall(r"RANK_PROBE_END global=(\d) step=(\d+)", log)) == [("0", "4"), ("1", "4")]
     assert "error" not in log.lower() and "Traceback" not in log and "hang" not in log.lower(), log[-3000:]
-    assert last_ckpt(base / "tune" / f"trial_{trial.number:04d}")["global_step"] == 4
-    assert f"trial {trial.number}: PRUNED at step 4, val/loss " in out
+    if kept:  # --checkpoints all
+        assert last_ckpt(base / "tune" / f"trial_{trial.number:04d}")["global_step"] == 4
+    assert f"trial {trial.number}: PRUNED at samples 256, val/loss " in out
+    value = fmt(trial.intermediate_values[256])
+    assert f"trial {trial.number}: step 4, 256 samples: val/loss {value}: pruned" in out
 
 
 def test_a_pruner_that_prunes_every_first_report_ends_every_trial_pruned(tune_ddp):
@@ -236,7 +283,24 @@ def test_a_pruner_that_prunes_every_first_report_ends_every_trial_pruned(tune_dd
     assert pruned["code"] == 0, pruned["out"][-4000:]
     assert len(pruned["trials"]) == 2
     for trial in pruned["trials"]:
-        assert_pruned_at_first_validation(tune_ddp["base"] / "pruned", trial, pruned["out"])
+        assert_pruned_at_first_validation(tune_ddp["base"] / "pruned", trial, pruned["out"], kept=True)
+
+
+def test_conditional_space_gives_sgd_its_momentum_and_adamw_none(tune_ddp):
+    """The optimizer's class and an SGD-only momentum (`when:`): the two trials are AdamW without momentum and SGD
+    with 0.9, each checked before any trial in a fit of its own (a momentum for AdamW would be refused), and every
+    rank trains with that optimizer and momentum, as the optimizer holds them (value_probe.py)."""
+    pruned = tune_ddp["pruned"]
+    assert pruned["code"] == 0, pruned["out"][-4000:]
+    adamw, sgd = "torch.optim.AdamW", "torch.optim.SGD"
+    optimizer, momentum = "model.init_args.optimizer", "model.init_args.optimizer.init_args.momentum"
+    params = sorted((t.params for t in pruned["trials"]), key=lambda p: p[optimizer])
+    assert params == [{optimizer: adamw}, {optimizer: sgd, momentum: 0.9}], params
+    for trial in pruned["trials"]:
+        log = trial_log(tune_ddp["base"] / "pruned", trial.number)
+        probes = sorted(re.findall(r"VALUE_PROBE global=(\d) .* optimizer=(\w+) momentum=(\S+)", log))
+        name = trial.params[optimizer].rpartition(".")[2]
+        assert probes == [(str(r), name, str(trial.params.get(momentum))) for r in (0, 1)], probes
 
 
 def test_best_values_train_on_1_device_what_the_trial_trained_on_2(tune_ddp):
@@ -282,7 +346,7 @@ ARRAY_JOB = 7000
 JOURNAL = "journal:tune/study.journal"  # cluster/tune.sbatch's storage, relative to the project
 
 
-def array_task(base: Path, task: int, name: str, storage: str):
+def array_task(base: Path, task: int, name: str, storage: str, *options: str):
     """cluster/tune.sbatch as task `task` of a 2-task array on `storage` (its output in base/<name>.out)."""
     cmd = [
         "bash",
@@ -290,12 +354,7 @@ def array_task(base: Path, task: int, name: str, storage: str):
         *TUNE[3:],
         "--storage",  # after the script's journal: the user's options win
         storage,
-        "--space",
-        "space.yaml",
-        "--trials",
-        "4",
-        "--heartbeat",
-        "1",
+        *("--space", "space.yaml", "--trials", "4", "--heartbeat", "1", *options),
         "--",
         *WORKERS_FIT,
     ]
@@ -315,28 +374,26 @@ def worker_pid(proc) -> int:
 
 @early.early("tune_workers")
 def _tune_workers(base: Path) -> dict:
-    """Task 0 and task 1 together on a PostgreSQL server started for them; task 0's worker killed (-9) once its
-    first trial trains, the processes that trial left right after the kill (and 15 s later), then task 0 started
-    again; every worker's output."""
+    """Task 0 and task 1 (2 trials at once) together on a PostgreSQL server started for them; task 0's worker killed
+    (-9) once its first trial has a checkpoint, the processes that trial left right after the kill (and 15 s later)
+    and the step of that checkpoint, then task 0 started again; every worker's output."""
     (base / "space.yaml").write_text(WORKERS_SPACE)
     with server() as url:
         return _kill_a_worker(base, url)
 
 
 def _kill_a_worker(base: Path, url: str) -> dict:
-    first, other = array_task(base, 0, "task0", url), array_task(base, 1, "task1", url)
+    first, other = array_task(base, 0, "task0", url), array_task(base, 1, "task1", url, "--parallel", "2")
     procs = [first, other]
 
-    def training() -> list[tuple[int, Path]]:
-        """Task 0's trials whose rank 0 trains: (number, log). The worker names a trial's log before the trial
-        creates it (a missing log failed this job on a loaded CI machine)."""
-        started = STARTED.findall((base / "task0.out").read_text())
-        logs = [(int(n), base / log) for n, log in started]
-        return [(n, log) for n, log in logs if log.exists() and "RANK_PROBE global=0" in log.read_text()]
+    def checkpointed() -> list[int]:
+        """Task 0's trials that wrote a checkpoint (the worker names a trial before its folder exists)."""
+        started = [int(n) for n, _ in STARTED.findall((base / "task0.out").read_text())]
+        return [n for n in started if list((base / "tune" / f"trial_{n:04d}").rglob("last.ckpt"))]
 
     try:
-        wait_for(lambda: training() or first.poll() is not None, "task 0's first trial to train")
-        (killed, _), *_ = training()
+        wait_for(lambda: checkpointed() or first.poll() is not None, "task 0's first trial's first checkpoint")
+        killed, *_ = checkpointed()
         alive = processes_in(base, f"trial_{killed:04d}")
         pid = worker_pid(first)
         os.kill(pid, signal.SIGKILL)
@@ -345,6 +402,7 @@ def _kill_a_worker(base: Path, url: str) -> dict:
         while processes_in(base, f"trial_{killed:04d}") and time.monotonic() < deadline:
             time.sleep(0.05)
         left = processes_in(base, f"trial_{killed:04d}")
+        step = last_ckpt(base / "tune" / f"trial_{killed:04d}")["global_step"]  # nothing writes it any more
         again = array_task(base, 0, "task0-again", url)
         procs.append(again)
         codes = [finish(p, TIMEOUT).returncode for p in (other, again)]
@@ -358,6 +416,7 @@ def _kill_a_worker(base: Path, url: str) -> dict:
         "base": base,
         "pid": pid,
         "killed": killed,
+        "step": step,
         "alive": alive,
         "left": left,
         "codes": codes,
@@ -373,14 +432,16 @@ def tune_workers() -> dict:
 
 
 def test_killed_worker_leaves_no_process_and_its_trial_runs_again(tune_workers):
-    """kill -9 of a worker mid-trial: the trial's process (rank 0, which watches its worker) is gone within seconds,
-    the trial stops beating and is failed by a worker, and its values run again as a new trial; task 1 and task 0
-    started again finish the study: 4 finished trials, and both exit 0."""
+    """kill -9 of a worker mid-trial: the trial's process (rank 0, which watches its worker, or finds its pipe closed
+    at its next validation) is gone within seconds, the trial stops beating and is failed by a worker, and its
+    values run again as a new trial; task 1 and task 0 started again finish the study: 4 finished trials, and both
+    exit 0."""
     w = tune_workers
     assert w["alive"], "the killed worker's trial was not running: the kill did not land mid-trial"
     assert w["left"] == [], f"the killed worker's trial left processes {w['left']}"
-    log = trial_log(w["base"], w["killed"])
-    assert log.rstrip().endswith(f"rank 0: the tuning worker (pid {w['pid']}) is gone; exiting"), log[-2000:]
+    log = trial_log(w["base"], w["killed"]).rstrip()
+    watched = log.endswith(f"rank 0: the tuning worker (pid {w['pid']}) is gone; exiting")
+    assert watched or log.endswith("rank 0: the tuning worker is gone; stopping the trial's ranks"), log[-2000:]
     assert w["codes"] == [0, 0], w["outs"]
     trials = {t.number: t for t in w["trials"]}
     killed = trials[w["killed"]]
@@ -389,6 +450,37 @@ def test_killed_worker_leaves_no_process_and_its_trial_runs_again(tune_workers):
     assert retry.state == TrialState.COMPLETE and retry.params == killed.params
     assert sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in w["trials"]) == 4
     assert w["after"] == [], "processes left behind by the workers"
+
+
+def test_killed_trial_resumes_from_its_last_checkpoint(tune_workers):
+    """The killed trial's values run again from its last.ckpt (written at a validation, every 4 steps): the retry's
+    fit restores it and starts training at its step, and the retry's curve is the killed trial's (copied: 128
+    samples a validation of 4 steps of 32) continued to the end (step 12, 384 samples)."""
+    w = tune_workers
+    trials = {t.number: t for t in w["trials"]}
+    killed = trials[w["killed"]]
+    (retry,) = [t for t in w["trials"] if t.user_attrs.get(RETRY_OF) == killed.number]
+    assert w["step"] in (4, 8) and 32 * w["step"] in killed.intermediate_values, (w["step"], killed)
+    log = trial_log(w["base"], retry.number)
+    ckpt = w["base"] / "tune" / f"trial_{killed.number:04d}" / "lightning_logs" / "version_0" / "checkpoints"
+    assert f"Restoring states from the checkpoint path at {(ckpt / 'last.ckpt').resolve()}" in log, log[-3000:]
+    assert re.findall(r"RANK_PROBE global=0 .* step=(\d+)", log) == [str(w["step"])], log[-3000:]
+    assert list(retry.intermediate_values) == [128, 256, 384], retry.intermediate_values
+    assert {k: retry.intermediate_values[k] for k in killed.intermediate_values} == killed.intermediate_values
+
+
+def test_a_worker_runs_its_trials_at_once(tune_workers):
+    """Task 1 (--parallel 2, on CPU) ran 2 trials at the same time: their own records (rank 0's time at its training's
+    start and end) overlap, while the study stays exact (4 finished trials, none run twice: above)."""
+    w = tune_workers
+    spans = []
+    for n, _ in STARTED.findall(w["outs"]["task1"]):
+        times = dict(re.findall(r"TIME_PROBE (start|end)=(\S+)", trial_log(w["base"], int(n))))
+        if len(times) == 2:
+            spans.append((float(times["start"]), float(times["end"])))
+    overlapping = [(a, b) for a in spans for b in spans if a < b and a[0] < b[1] and b[0] < a[1]]
+    assert len(spans) >= 2 and overlapping, spans
+    assert "1 trial(s) at once" not in w["outs"]["task1"] and "2 trial(s) at once" in w["outs"]["task1"]
 
 
 def test_workers_share_the_study_and_never_run_a_trial_twice(tune_workers):
@@ -466,6 +558,19 @@ def test_unknown_config_key_is_refused_before_any_trial(tmp_path, capsys):
     assert optuna.get_all_study_names(open_storage(None, tmp_path / "tune")) == []
 
 
+def test_fit_options_the_trainer_refuses_are_refused_before_any_trial(tmp_path, capsys):
+    """`--trainer.enable_checkpointing false` beside the config's checkpoint callback parses, but Lightning refuses it
+    when it builds the Trainer: the check before any trial builds the fit (model, data, Trainer; nothing trains) and
+    says so in one line, naming the values it checked; no trial, no study."""
+    error = refused(tmp_path, capsys, ["--", "--trainer.enable_checkpointing", "false"])
+    assert error == (
+        "error: main.py fit refuses the fit args with the space's values (--model.init_args.lr 0.001 "
+        "--model.init_args.hidden_dim 16): MisconfigurationException: Trainer was configured with "
+        "`enable_checkpointing=False` but found `ModelCheckpoint` in callbacks list."
+    )
+    assert optuna.get_all_study_names(open_storage(None, tmp_path / "tune")) == []
+
+
 def test_unreachable_storage_is_refused(tmp_path, capsys):
     """A PostgreSQL URL with no server behind it: one line that names it (without its password)."""
     url = f"postgresql://tuner:secret@127.0.0.1:{free_port()}/study"
@@ -521,7 +626,7 @@ def test_metric_never_logged_stops_the_first_trial_at_its_sanity_check(tune_metr
 def test_values_reach_the_fit_unchanged(value):
     """A value on main.py's command line reads back (as YAML) as the same value of the same type: 1e-05 would be the
     text '1e-05', the text '64' the number 64."""
-    read = yaml.safe_load(tune.argument(value))
+    read = yaml.safe_load(argument(value))
     assert read == value and type(read) is type(value)
 
 
@@ -603,9 +708,10 @@ def yaml_blocks() -> list:
 
 
 def test_manual_shows_the_space_file_as_it_is():
-    """The space the manual shows is configs/tune.yaml's (comments aside)."""
+    """The first space the manual shows is configs/tune.yaml's (comments aside); the other is the conditional one."""
     shown = [b for b in yaml_blocks() if isinstance(b, dict) and "params" in b]
-    assert shown == [yaml.safe_load((SCRIPT.parents[1] / "configs" / "tune.yaml").read_text())]
+    assert shown[0] == yaml.safe_load((SCRIPT.parents[1] / "configs" / "tune.yaml").read_text())
+    assert len(shown) == 2 and "when" in str(shown[1])
 
 
 def test_manual_kubernetes_job_runs_the_workers_command():
@@ -626,14 +732,14 @@ def test_manual_kubernetes_job_runs_the_workers_command():
 
 
 def sleeping_worker(tmp_path: Path, timeout: float | None = None) -> tuple:
-    """A study of 1 trial and a worker whose 'fit' sleeps for two minutes (a python that ignores its arguments), the
-    trial it asked for, and the marker in that process's command line."""
+    """A study of 1 trial and a worker whose 'fit' sleeps for two minutes (a python that ignores its arguments), and
+    the marker in that process's command line."""
     marker = f"# {tmp_path}"
     space = Space({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
     main = [sys.executable, "-c", f"import time; time.sleep(120)  {marker}"]
-    worker = tune.Worker(main, 1, tmp_path, [], space, "val/loss", 1, 60.0, timeout, {})
+    worker = Worker(main, 1, tmp_path, [], space, "val/loss", 1, 60.0, timeout, {})
     study = open_study(open_storage(None, tmp_path), "s", space, "val/loss", "minimize")
-    return study, worker, study.ask(space.params), marker
+    return study, worker, marker
 
 
 def running(marker: str) -> list[int]:
@@ -650,14 +756,17 @@ def running(marker: str) -> list[int]:
 def test_sigterm_fails_the_running_trial_kills_its_processes_and_enqueues_its_values(tmp_path):
     """SIGTERM to the worker (a scheduler's stop) while a trial runs: its processes are killed, it is failed
     ("interrupted") and its values wait for the next worker; the worker stops (KeyboardInterrupt, then 143)."""
-    study, worker, trial, marker = sleeping_worker(tmp_path)
-    previous = signal.signal(signal.SIGTERM, tune.interrupt)
+    study, worker, marker = sleeping_worker(tmp_path)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, tune.interrupt)
     try:
         threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
         with pytest.raises(KeyboardInterrupt):
-            tune.run_one(study, worker, trial)
+            work(study, worker)
+        stop(worker)  # as tune.main does: kill the trials, and each thread tells its trial
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     assert running(marker) == []
     failed, queued = study.get_trials()
     assert failed.state == TrialState.FAIL and failed.user_attrs[NOTE] == "interrupted"
@@ -667,8 +776,9 @@ def test_sigterm_fails_the_running_trial_kills_its_processes_and_enqueues_its_va
 
 def test_trial_past_its_timeout_is_killed_and_failed(tmp_path):
     """--timeout: the trial's processes are killed and it fails with that reason; the worker goes on."""
-    study, worker, trial, marker = sleeping_worker(tmp_path, timeout=1.0)
-    assert tune.run_one(study, worker, trial) is False
+    study, worker, marker = sleeping_worker(tmp_path, timeout=1.0)
+    trial = study.ask(worker.space.params)
+    assert run_one(study, worker, trial, Claim([], 29600)) is False
     assert running(marker) == []
     (failed,) = study.get_trials()
     assert failed.state == TrialState.FAIL and failed.user_attrs[NOTE] == "timed out after 1 s"

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from ddpkit import throughput
 from ddpkit.parity import read_scalars
+from ddpkit.sharding import shards_on_cpu
 from ddpkit.testing.helpers import run_ok
 from ddpkit.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS
@@ -34,6 +35,19 @@ def test_bundled_text_splits_into_sequences():
     x, y = dm.train_set[0]
     assert torch.equal(x[1:], y[:-1])
     assert bytes(x[:12].tolist()) == b"Ecclesiastes"
+
+
+def test_token_file_of_uint16_ids_splits_into_sequences(tmp_path):
+    """token_format uint16 reads two bytes per id (ids above 255 too): 41 ids give 4 training and 0 validation
+    sequences of 8 at val_fraction 0.1, each target its input shifted by one."""
+    ids = torch.arange(41, dtype=torch.int64) * 1000 + 7  # up to 40,007
+    path = tmp_path / "train.bin"
+    path.write_bytes(ids.to(torch.uint16).numpy().tobytes())
+    dm = TextDataModule(global_batch_size=2, block_size=8, text_path=str(path), token_format="uint16")
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (4, 0)
+    x, y = dm.train_set[3]
+    assert torch.equal(x, ids[24:32]) and torch.equal(y, ids[25:33])
 
 
 def test_loss_drops_in_twenty_steps():
@@ -77,16 +91,20 @@ def test_compile_option_compiles_each_block(monkeypatch):
     assert compiled == list(module.model.blocks)
 
 
-def test_flops_per_sequence_matches_the_transformer_formula():
-    """Counted FLOPs = 6 x matmul params x T + 12 x layers x T^2 x d_model (attention), exactly."""
-    module = LanguageModel(**TINY)
+@pytest.mark.parametrize("vocab_size", [VOCAB_SIZE, 1000])
+def test_flops_per_sequence_matches_the_transformer_formula(vocab_size):
+    """Counted FLOPs = 6 x matmul params x T + 12 x layers x T^2 x d_model (attention), exactly, for bytes and for
+    another vocabulary (whose tied embedding and head have vocab_size rows)."""
+    module = LanguageModel(**TINY, vocab_size=vocab_size)
+    assert module.model.head.weight.shape == (vocab_size, TINY["d_model"])
     L, d, T = TINY["n_layers"], TINY["d_model"], TINY["block_size"]
     per_layer = 3 * d * d + d * d + 2 * 4 * d * d  # qkv, proj, MLP (weights only; biases are not matmuls)
-    matmul_params = L * per_layer + VOCAB_SIZE * d  # + the tied output head
+    matmul_params = L * per_layer + vocab_size * d  # + the tied output head
     formula = 6 * matmul_params * T + 12 * L * T * T * d
     assert module.flops_per_sequence == formula
 
 
+@pytest.mark.skipif(not shards_on_cpu(), reason=f"FSDP2 runs on CPU processes from torch 2.6, not {torch.__version__}")
 def test_lm_trains_sharded_from_the_presets(tmp_path):
     """configs/lm.yaml + configs/model_parallel.yaml on 2 CPU processes: shards per rank, validation loss drops."""
     tiny = ["--model.n_layers", "2", "--model.d_model", "64", "--model.block_size", "64", "--data.block_size", "64"]

@@ -33,6 +33,8 @@ class DigitsDataModule(GlobalBatchDataModule):
             gradient accumulation makes up the rest of the global batch.
         num_workers: DataLoader worker processes per device. 0 loads in the training
             process, which is fastest for this small in-memory set.
+        pin_memory: Batches in pinned memory, for asynchronous copies to the GPU (None: on GPUs only).
+        persistent_workers: Keep loader workers from one epoch to the next (with num_workers > 0).
         val_size: Samples held out for validation (odd by default, to prove no padding).
         test_size: Samples held out for testing.
         split_seed: Seed of the train/val/test split; independent of the training seed.
@@ -45,12 +47,14 @@ class DigitsDataModule(GlobalBatchDataModule):
         global_batch_size: int = 64,
         micro_batch_size: int | None = None,
         num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
         val_size: int = 359,
         test_size: int = 359,
         split_seed: int = 0,
         data_path: str | None = None,
     ) -> None:
-        super().__init__(global_batch_size, micro_batch_size, num_workers)
+        super().__init__(global_batch_size, micro_batch_size, num_workers, pin_memory, persistent_workers)
         self.save_hyperparameters()  # stored in checkpoints; the code reads the attributes below
         self.val_size, self.test_size, self.split_seed = val_size, test_size, split_seed
         self.data_path = Path(data_path) if data_path else DIGITS_CSV

@@ -1,4 +1,4 @@
-"""The LightningModule of the language-model example: next-byte loss, optimizer, sharding, FLOPs.
+"""The LightningModule of the language-model example: next-token loss, optimizer, sharding, FLOPs.
 
 Select it with `--config configs/lm.yaml`. Under DDP every device holds the whole
 model; under `ModelParallelStrategy` (configs/model_parallel.yaml) `configure_model`
@@ -17,17 +17,19 @@ from torchmetrics import MeanMetric
 
 from .gpt import GPT
 
-VOCAB_SIZE = 256  # bytes
+VOCAB_SIZE = 256  # bytes, the default vocabulary
 
 
 class LanguageModel(L.LightningModule):
-    """A GPT-style byte-level language model.
+    """A GPT-style language model, over bytes unless given another vocabulary.
 
     Args:
         n_layers: Transformer blocks.
         d_model: Width of the residual stream.
         n_heads: Attention heads per block (d_model must be a multiple).
-        block_size: Longest context in bytes (learned positions).
+        block_size: Longest context in tokens (learned positions).
+        vocab_size: Token ids the model embeds and predicts: 256 for bytes (the bundled text); a tokenizer's
+            size for pre-tokenized data (`--data.token_format uint16`), e.g. GPT-2's 50,257.
         activation_checkpointing: Under ModelParallelStrategy, recompute each block's activations
             during backward instead of storing them (less memory, ~1/3 more compute).
         optimizer: The optimizer class, called with two parameter groups: the weight matrices, which get
@@ -44,6 +46,7 @@ class LanguageModel(L.LightningModule):
         d_model: int = 128,
         n_heads: int = 4,
         block_size: int = 128,
+        vocab_size: int = VOCAB_SIZE,
         activation_checkpointing: bool = False,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
@@ -53,12 +56,12 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters()
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.model = GPT(VOCAB_SIZE, block_size, n_layers, d_model, n_heads)
+        self.model = GPT(vocab_size, block_size, n_layers, d_model, n_heads)
         self.train_loss, self.val_loss = MeanMetric(nan_strategy="disable"), MeanMetric(nan_strategy="disable")
         # Training FLOPs (forward + backward) of one sequence of block_size tokens, counted on a
         # meta-device copy (no memory, no compute). ThroughputMonitor reads flops_per_batch.
         with torch.device("meta"):
-            meta, x = GPT(VOCAB_SIZE, block_size, n_layers, d_model, n_heads), torch.zeros(1, block_size).long()
+            meta, x = GPT(vocab_size, block_size, n_layers, d_model, n_heads), torch.zeros(1, block_size).long()
         self.flops_per_sequence = measure_flops(meta, lambda: meta(x), lambda y: y.sum())
         self.flops_per_batch = 0
 
@@ -74,7 +77,7 @@ class LanguageModel(L.LightningModule):
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
         logits = self(x)  # (B, T, vocab)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # mean over the B*T next-byte predictions
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # mean over the B*T next-token predictions
 
     def on_train_batch_start(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         # This device's batch; sequences shorter than block_size cost proportionally less.

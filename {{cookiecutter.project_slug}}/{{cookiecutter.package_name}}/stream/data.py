@@ -43,6 +43,9 @@ class DigitShards(StreamingDataModule):
         micro_batch_size: Samples per forward pass on one device (None: its whole share).
         num_workers: Loader worker processes per device, each reading whole streams.
         streams: Read positions in each epoch's shard order; every device count you use must divide it.
+        pin_memory: Batches in pinned memory, for asynchronous copies to the GPU (None: on GPUs only).
+        persistent_workers: Keep the evaluation loaders' workers from one epoch to the next (training starts its
+            workers every epoch: they read that epoch's shard order).
         shard_dir: Where the shards are written (once) and read from; None: data/digit-shards in the project.
         shard_size: Mean samples per shard (sizes vary from half to 1.5 times it).
     """
@@ -53,10 +56,12 @@ class DigitShards(StreamingDataModule):
         micro_batch_size: int | None = None,
         num_workers: int = 0,
         streams: int = 8,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
         shard_dir: str | None = None,
         shard_size: int = 100,
     ) -> None:
-        super().__init__(global_batch_size, micro_batch_size, num_workers, streams)
+        super().__init__(global_batch_size, micro_batch_size, num_workers, streams, pin_memory, persistent_workers)
         self.save_hyperparameters()
         self.shard_dir = Path(shard_dir) if shard_dir else PROJECT / "data" / "digit-shards"
         self.shard_size = shard_size

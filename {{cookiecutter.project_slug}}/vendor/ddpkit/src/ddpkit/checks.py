@@ -2,8 +2,8 @@
 one line that says what to change, not a failure after ranks start or files are written (`cli.CLI` runs them).
 
 - Right after parsing, before any model, rank or file exists: `match_torchrun`, `check_config` (GPUs asked vs
-  visible, the global batch over the processes, `check_checkpoint`), `warn_carried_init_args` (a class switch
-  that keeps config.yaml's values).
+  visible, the global batch over the processes, `check_checkpoint`, sharding on CPU before torch 2.6),
+  `warn_carried_init_args` (a class switch that keeps config.yaml's values).
 - Once the model and the data module are built, still before any rank starts: `check_optimizer_flags`,
   `check_manual_accumulation`, `check_state_dict_fits`, `plain_datamodule_warning`.
 - Once fit has built the training loaders, before the first step: `IterableDataCheck` (`iterable_data_warning`).
@@ -30,6 +30,7 @@ from . import __version__
 from .checkpoints import VERSION_KEY
 from .data import GlobalBatchDataModule
 from .processes import rank_label
+from .sharding import shards_on_cpu
 
 SECTIONS = ("model", "data")
 
@@ -79,6 +80,21 @@ def check_config(config: Any) -> None:
     ckpt_path = config.get("ckpt_path")
     if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_PATHS and "://" not in str(ckpt_path):
         check_checkpoint(str(ckpt_path), config.get("model"))
+    check_sharding_device(trainer)
+
+
+def check_sharding_device(trainer: Any) -> None:
+    """Refuse sharded training (FSDP2) on CPU processes where torch runs it only on GPUs (before 2.6), instead of
+    the CUDA error every rank would raise."""
+    strategy = trainer.get("strategy") if hasattr(trainer, "get") else None
+    path = strategy.get("class_path") if hasattr(strategy, "get") else strategy
+    accelerator = str(trainer.get("accelerator", "auto")) if hasattr(trainer, "get") else "auto"
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if str(path).endswith("ModelParallelStrategy") and on_cpu and not shards_on_cpu():
+        raise BadInput(
+            f"ModelParallelStrategy (FSDP2) runs on CPU processes from torch 2.6; this is torch {torch.__version__}: "
+            "train it on GPUs, or use DDP on CPU (vendor/ddpkit/docs/versions.md)."
+        )
 
 
 def world_size(trainer: Any) -> int | None:

@@ -44,9 +44,11 @@ from .checks import (
 from .ckpt_paths import resolve_ckpt_path
 from .data import GlobalBatchDataModule
 from .doctor import ScalingDoctor
-from .hang import HangDump, collect, is_collective_timeout
+from .hang import FLIGHT_RECORDER_ENV, HangDump, collect, is_collective_timeout
 from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
+from .matmul import CHOICES as MATMUL_CHOICES
+from .matmul import float32_matmul_precision
 from .predictions import PredictionWriter
 from .presets import hint as preset_hint
 from .processes import (
@@ -64,7 +66,7 @@ from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy, ddp_alias
 from .trackers import SaveTrackerRuns, continue_trackers
 from .trial import TrialReport
-from .tune import TRIAL_CHANNEL, TRIAL_METRIC, TRIAL_WORKER
+from .tune_run import TRIAL_CHANNEL, TRIAL_CHECK, TRIAL_METRIC, TRIAL_WORKER
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -131,6 +133,15 @@ class CLI(SubcommandCLI):
             "the background) and, with --slurm_requeue, for SLURM's requeue signal. A signal stops every rank, "
             "with a checkpoint, within this many steps + 1; lower it when steps are long and the scheduler's "
             "grace period is short.",
+        )
+        parser.add_argument(
+            "--float32_matmul_precision",
+            choices=MATMUL_CHOICES,
+            default="auto",
+            help="torch.set_float32_matmul_precision for this run. auto: 'high' (TF32 matmuls on GPUs that have "
+            "them, Ampere and later) when training in 32-true or a mixed precision on a GPU; torch's own setting "
+            "otherwise (CPU runs, and 64-true, the parity checks' reference, stay exact). 'highest' keeps full "
+            "float32 matmuls on GPUs; 'medium' allows bfloat16 ones.",
         )
         parser.add_argument(
             "--slurm_requeue",
@@ -240,13 +251,24 @@ class CLI(SubcommandCLI):
         added = [stop, *requeue, *writer, *lr, *trackers, *trial, RecordVersion(), ResumeLoaderPosition(), HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
-            return super().instantiate_trainer(**kwargs)
+            built = super().instantiate_trainer(**kwargs)
         finally:  # for this trainer only: another call must not add them twice
             self.trainer_defaults = defaults
+        # Before fit: Lightning's tensor-core advice is printed when the device is set up, unless it is set by then.
+        # Every rank runs this CLI (Lightning's launcher, torchrun, srun), each for its own device.
+        matmul = float32_matmul_precision(
+            self.setting("float32_matmul_precision"), built.precision, built.strategy.root_device
+        )
+        if matmul is not None:
+            torch.set_float32_matmul_precision(matmul)
+        return built
 
     # --- failures end the whole job, with the rank named ---------------------------------------------
 
     def run_subcommand(self, subcommand: str) -> None:
+        if TRIAL_CHECK in os.environ:  # python -m ddpkit.tune's check: model, data and Trainer built; train nothing
+            Path(os.environ[TRIAL_CHECK]).write_text(self.parser.dump(self.config, skip_none=False))
+            return
         launcher = self.trainer.strategy.launcher
         try:
             if is_subprocess_launcher(launcher):
@@ -293,6 +315,8 @@ def main(default_config: str | Path, args: list[str] | None = None, run: bool = 
     # ms of CPU each (measured: ddp-template's docs/measurements.md). Every 10th step (and each epoch's last)
     # is enough to watch; export TQDM_MINITERS to change it.
     os.environ.setdefault("TQDM_MINITERS", "10")
+    # The hang report's record of each rank's collectives: torch 2.8 keeps none for gloo unless this is set.
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)
     parser_kwargs = {"default_config_files": [str(default_config)]}
     return CLI(
         LightningModule,

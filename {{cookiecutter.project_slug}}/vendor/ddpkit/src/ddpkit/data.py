@@ -13,7 +13,8 @@ What the base class brings, for any map-style dataset:
 - the training sampler gives global batch k the same samples on any number of devices, reshuffles every
   epoch from --seed_everything, and resumes mid-epoch where the checkpoint stopped (sampling.py);
 - validation, test and predict give every sample to exactly one rank, so metrics count it once;
-- pinned memory on GPUs only, persistent workers when there are workers.
+- on a GPU, batches in pinned memory, so that Lightning's non-blocking copy to the device is asynchronous (a copy
+  from pageable memory makes the host wait for the GPU every step); loader workers kept from epoch to epoch.
 """
 
 import os
@@ -35,9 +36,21 @@ class GlobalBatchDataModule(L.LightningDataModule):
             is made up by gradient accumulation (steps = global / (devices x micro)). None: the whole
             per-device share at once, no accumulation. Evaluation loads this many per device as well.
         num_workers: DataLoader worker processes per device; 0 loads in the training process.
+        pin_memory: Put batches in pinned (page-locked) host memory, from which Lightning's copy to the GPU
+            (`non_blocking=True`) does not make the host wait for the device. None: when the run's device is a
+            GPU; on a CPU it would only cost.
+        persistent_workers: Keep the loader workers (with `num_workers` > 0) from one epoch to the next instead of
+            starting them again every epoch.
     """
 
-    def __init__(self, global_batch_size: int = 64, micro_batch_size: int | None = None, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        global_batch_size: int = 64,
+        micro_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
+    ) -> None:
         super().__init__()
         if global_batch_size < 1 or (micro_batch_size is not None and micro_batch_size < 1):
             raise ValueError(f"batch sizes must be positive: global {global_batch_size}, micro {micro_batch_size}")
@@ -46,6 +59,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
             micro_batch_size,
             num_workers,
         )
+        self.pin_memory, self.persistent_workers = pin_memory, persistent_workers
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -138,13 +152,18 @@ class GlobalBatchDataModule(L.LightningDataModule):
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
         )
 
+    def pins_memory(self) -> bool:
+        """Whether the loaders pin their batches: `pin_memory`, or when it is None, whether the run's device is a GPU."""
+        if self.pin_memory is not None:
+            return self.pin_memory
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+
     def loader_kwargs(self) -> dict[str, Any]:
         """Settings shared by every loader; override to add e.g. a collate_fn."""
-        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return {
             "num_workers": self.num_workers,
-            "persistent_workers": self.num_workers > 0,  # keeps worker start-up out of every epoch
-            "pin_memory": on_gpu,  # asynchronous host-to-GPU copies; on CPU it would only cost
+            "persistent_workers": self.persistent_workers and self.num_workers > 0,  # torch refuses it without workers
+            "pin_memory": self.pins_memory(),
         }
 
     def train_dataloader(self) -> DataLoader:

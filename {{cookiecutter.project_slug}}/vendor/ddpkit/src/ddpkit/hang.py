@@ -17,9 +17,12 @@ its timer and costs a call per step. Here nothing runs until a collective times 
 
 The last collectives come from torch's flight recorder, which records every collective a process issues
 (sequence number per process group, kind); torch 2.13 keeps 2,000 entries by default (measured with gloo;
-TORCH_FR_BUFFER_SIZE=0 switches it off, and the report then says so). Under NCCL the watchdog aborts a timed-out
-rank before Python sees an exception, so none of this runs: torch's own flight-recorder dump on the watchdog's
-timeout (files named by TORCH_FR_DUMP_TEMP_FILE) is the record there (not tested here: no GPUs).
+TORCH_FR_BUFFER_SIZE=0 switches it off, and the report then says so). torch 2.8 records gloo's collectives only
+with that variable set, which the CLI does (FLIGHT_RECORDER_ENV); before 2.8 there is no record for gloo, and the
+report has every rank's stack but no collectives, and says why. Under NCCL the watchdog aborts a timed-out rank
+before Python sees an exception, so none of this runs: torch's own flight-recorder dump on the watchdog's timeout
+(files named by TORCH_FR_DUMP_TEMP_FILE; before torch 2.8 TORCH_NCCL_DEBUG_INFO_TEMP_FILE) is the record there
+(not tested here: no GPUs).
 """
 
 import faulthandler
@@ -43,11 +46,14 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import Callback
 
-from .lightning_internals import default_store, flight_recorder_entries
+from .lightning_internals import default_store, flight_recorder_entries, records_gloo_collectives
 
 SIGNAL = signal.SIGUSR2  # SIGUSR1 is SLURM's warning before the time limit (requeue.py)
 DUMP_WAIT = 5.0  # s for the signalled ranks' dumps: they took 0.06-0.07 s (docs/measurements.md, hang report)
 KEEP = 8  # last collectives per rank in a dump
+# torch 2.8.0 records gloo's collectives only with TORCH_FR_BUFFER_SIZE set (2.13.0 keeps 2,000 without it), read
+# when the process group forms: the CLI sets this default first (docs/measurements.md, torch's floor).
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "2000")
 SCHEMA = 1  # of rank<N>.json, raised when a field's meaning changes
 STORE_KEY = "ddpkit/hang/rank"  # + rank: "host pid"
 # Frames in these directories are the framework's, not the run's code: the report points past them.
@@ -247,7 +253,7 @@ def report(directory: Path, world: int, peers: dict[int, tuple[str, int]] | None
             lines.append(f"  rank {r}: no dump (on {host}, or blocked outside Python)")
             continue
         if r not in last:
-            state = "no collective recorded (TORCH_FR_BUFFER_SIZE=0?)"
+            state = f"no collective recorded ({no_record_reason()})"
         elif d.timed_out:
             state = f"waits in collective {last[r]} ({d.error})"
         else:
@@ -255,3 +261,10 @@ def report(directory: Path, world: int, peers: dict[int, tuple[str, int]] | None
         lines.append(f"  rank {r}: {state}; at {d.where()}")
     lines.append(f"  every thread's stack: {directory}/rank<N>.stacks.txt")
     return "\n".join(lines) + "\n"
+
+
+def no_record_reason() -> str:
+    """Why a dump holds no collectives: the recorder was switched off, or this torch records none for gloo."""
+    if records_gloo_collectives():
+        return "TORCH_FR_BUFFER_SIZE=0?"
+    return f"torch {torch.__version__} does not record gloo's collectives; 2.8 and later do"

@@ -3,7 +3,8 @@
 Each is a debt: a new release may rename or remove it. ddpkit's own tests check every name in `PRIVATE_NAMES`
 (and the behaviour of the helpers below) and fail naming the Lightning and torch versions, so an upgrade says
 at once what moved; they also fail when any other module of ddpkit uses a private name of Lightning or torch.
-Tested against Lightning 2.5.1 and 2.6.6 (the supported range's ends) with torch 2.13.0.
+Tested at the supported ranges' ends: Lightning 2.5.1 with torch 2.4.0, Lightning 2.6.6 with torch 2.13.0. Names
+that the oldest releases lack are in SINCE (Lightning's) and TORCH_SINCE (torch's), with the release that added each.
 """
 
 import json
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as checkpoint_wrapper
+import torch.distributed.fsdp
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.fit_loop import _FitLoop
@@ -20,6 +22,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every BatchNorm*d, and SyncBatchNorm
+from torch.nn.parallel import DistributedDataParallel
 
 # (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
 # `_timeout`, `_ddp_comm_hook` and `_ddp_kwargs`, a ThroughputMonitor's `_throughputs`) are tested through their
@@ -38,7 +41,7 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (torch.nn.modules.batchnorm, "_BatchNorm"),
     (BatchNormBase, "_check_input_dim"),
     (torch.distributed.distributed_c10d, "_get_default_store"),
-    (torch._C._distributed_c10d, "_dump_fr_trace_json"),
+    (DDPStrategy, "_setup_model"),  # CurrentStreamDDPStrategy
 ]
 
 
@@ -201,8 +204,53 @@ def default_store() -> Any:
     return torch.distributed.distributed_c10d._get_default_store()
 
 
+# ---- torch: names that arrived inside the supported range (torch 2.4 on) ----------------------------------------
+# (owner, attribute, the torch release that added it): names that the oldest supported torch (2.4.0) lacks; the
+# helper that uses one takes the older name, or does without it, there.
+TORCH_SINCE: list[tuple[Any, str, str]] = [
+    (torch.distributed.fsdp, "fully_shard", "2.6"),  # before: torch.distributed._composable.fsdp (still there)
+    (torch._C._distributed_c10d, "_dump_fr_trace_json", "2.8"),  # before: NCCL's recorder only, nothing for gloo
+]
+
+
+def fully_shard_function() -> Callable:
+    """FSDP2's `fully_shard`: public in `torch.distributed.fsdp` from torch 2.6, in the private
+    `torch.distributed._composable.fsdp` from 2.4 (where 2.6 on keeps the same function)."""
+    if hasattr(torch.distributed.fsdp, "fully_shard"):
+        return torch.distributed.fsdp.fully_shard
+    from torch.distributed._composable.fsdp import fully_shard
+
+    return fully_shard
+
+
+def records_gloo_collectives() -> bool:
+    """Whether this torch's flight recorder records gloo's collectives (2.8 on; before, only NCCL had one)."""
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+
+
 def flight_recorder_entries() -> list[dict]:
     """This process's flight-recorder entries, oldest first: one per collective it issued, in every process group
     (`collective_seq_id`, `profiling_name` like "gloo:all_reduce", `process_group`); [] when the recorder is off
-    (TORCH_FR_BUFFER_SIZE=0). torch's only accessor is private; its `fr_trace` tool reads the same records."""
+    (TORCH_FR_BUFFER_SIZE=0) or this torch has none for gloo (before 2.8). torch's only accessor is private; its
+    `fr_trace` tool reads the same records."""
+    if not records_gloo_collectives():
+        return []
     return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])
+
+
+# --- DDP built on the stream the steps run on ----------------------------------------------------------------------
+
+
+class CurrentStreamDDPStrategy(DDPStrategy):
+    """`DDPStrategy` that wraps the model in `DistributedDataParallel` on the current CUDA stream, as plain torch does.
+
+    Lightning up to 2.6.6 builds it inside `torch.cuda.stream(torch.cuda.Stream())`, a new side stream, in its private
+    `_setup_model`. DDP's reducer creates the parameters' AccumulateGrad nodes there and keeps them for the whole
+    fit, while every forward and backward runs on the default stream: each backward then joins the two streams, and
+    torch (2.11 on an H200) warns on every GPU fit that "The AccumulateGrad node's stream does not match the stream
+    of the node that produced the incoming gradient". Lightning issue #21567; fixed on its master after 2.6.6 (PR
+    #21746). On CPU nothing changes: Lightning uses no stream there either.
+    """
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)

@@ -6,16 +6,18 @@ again for backward) and frees them after; gradients are reduce-scattered, which
 averages them over ranks like DDP's all-reduce, so the training math is DDP's.
 Sharding layer by layer bounds the gathered memory to about one layer at a time.
 Mixed precision comes from the Trainer (`precision: bf16-mixed`), as with DDP.
+FSDP2 runs on GPUs from torch 2.4 and on CPU processes (gloo) from torch 2.6 (`shards_on_cpu`).
 """
 
 import importlib
 from collections.abc import Iterable
 from typing import Literal
 
+import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-from .lightning_internals import apply_activation_checkpointing
+from .lightning_internals import apply_activation_checkpointing, fully_shard_function
 
 
 def shard_layers(model: nn.Module, layers: Iterable[nn.Module], device_mesh, activation_checkpointing: bool = False):
@@ -29,9 +31,7 @@ def shard_layers(model: nn.Module, layers: Iterable[nn.Module], device_mesh, act
         activation_checkpointing: Recompute each layer's activations during backward instead of
             keeping them: less memory, about one more forward pass of compute.
     """
-    # Imported here: DDP runs never need torch's FSDP2 (public at this path since PyTorch 2.6).
-    from torch.distributed.fsdp import fully_shard
-
+    fully_shard = fully_shard_function()  # its import path moved in torch 2.6
     layers = list(layers)
     if activation_checkpointing:
         chosen = {id(layer) for layer in layers}
@@ -40,6 +40,11 @@ def shard_layers(model: nn.Module, layers: Iterable[nn.Module], device_mesh, act
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def shards_on_cpu() -> bool:
+    """Whether FSDP2 runs on CPU processes: from torch 2.6 on; 2.4 and 2.5 create CUDA streams for it."""
+    return torch.__version__ >= "2.6"
 
 
 class LayerFSDPStrategy(FSDPStrategy):

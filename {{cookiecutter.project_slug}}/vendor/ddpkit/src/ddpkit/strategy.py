@@ -5,14 +5,16 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from .lightning_internals import ddp_timeout, set_ddp_timeout, set_process_group_timeout
+from .lightning_internals import CurrentStreamDDPStrategy, ddp_timeout, set_ddp_timeout, set_process_group_timeout
 
 
-class TimedDDPStrategy(DDPStrategy):
+class TimedDDPStrategy(CurrentStreamDDPStrategy):
     """DDP whose collectives fail after `timeout`, while starting ranks get `startup_timeout` to meet.
 
     One timeout for both would make a short hang-detection timeout fail slow
     start-ups (imports on a busy machine, many nodes), or a long one hide hangs.
+    The model is wrapped on the CUDA stream its steps run on (`CurrentStreamDDPStrategy`), not on Lightning's side
+    stream, so no backward waits on a stream it did not need.
     """
 
     def __init__(self, *args: Any, startup_timeout: timedelta = timedelta(minutes=10), **kwargs: Any) -> None:

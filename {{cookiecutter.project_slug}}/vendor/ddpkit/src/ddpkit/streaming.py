@@ -41,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities import apply_to_collection
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
 from .data import GlobalBatchDataModule
@@ -256,6 +257,7 @@ class StreamLoader:
         num_workers: int = 0,
         collate_fn: Callable[[list], Any] = default_collate,
         current_epoch: Callable[[], int] | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.shards, self.streams, self.seed = shards, streams, seed
         self.chunk = global_batch_size // streams  # samples of one stream in one global batch
@@ -264,7 +266,7 @@ class StreamLoader:
         self.mine = range(rank * per_rank, (rank + 1) * per_rank)
         self.micro, self.accumulation = micro_batch_size, global_batch_size // world_size // micro_batch_size
         self.num_workers = min(num_workers, per_rank)  # a worker reads whole streams
-        self.collate_fn, self.current_epoch = collate_fn, current_epoch
+        self.collate_fn, self.current_epoch, self.pin_memory = collate_fn, current_epoch, pin_memory
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, global batches to skip), used once
         self._position = (0, 0)  # (epoch, global batches of that epoch completed)
@@ -294,7 +296,10 @@ class StreamLoader:
             for i in range(self.accumulation):
                 # Counted before the batch is trained, as in ResumableLoader.
                 self._position = (self.epoch, step + (i + 1) // self.accumulation)
-                yield self.collate_fn(share[i * self.micro : (i + 1) * self.micro])
+                batch = self.collate_fn(share[i * self.micro : (i + 1) * self.micro])
+                # Collated here, in the training process: pinned here too, a host copy that spares the GPU copy's
+                # wait for the device (from pageable memory it waits for the stream's earlier work).
+                yield apply_to_collection(batch, torch.Tensor, torch.Tensor.pin_memory) if self.pin_memory else batch
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._position[0], "global_batches_done": self._position[1]}
@@ -318,12 +323,22 @@ class StreamingDataModule(GlobalBatchDataModule):
         streams: Parallel read positions in each epoch's order of the shards. Every device count you train
             or resume on must divide it; global batch k is the same on all of them. More streams mix more
             shards into each batch and open more shards at once.
+        pin_memory: Put batches in pinned host memory (as GlobalBatchDataModule). None: when the run's device is a
+            GPU.
+        persistent_workers: Keep the evaluation loaders' workers from one epoch to the next. The training loader
+            starts its workers every epoch whatever this says: they read that epoch's order of the shards.
     """
 
     def __init__(
-        self, global_batch_size: int = 64, micro_batch_size: int | None = None, num_workers: int = 0, streams: int = 8
+        self,
+        global_batch_size: int = 64,
+        micro_batch_size: int | None = None,
+        num_workers: int = 0,
+        streams: int = 8,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
     ) -> None:
-        super().__init__(global_batch_size, micro_batch_size, num_workers)
+        super().__init__(global_batch_size, micro_batch_size, num_workers, pin_memory, persistent_workers)
         if streams < 1 or global_batch_size % streams:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not a multiple of streams={streams}: every stream "
@@ -400,6 +415,7 @@ class StreamingDataModule(GlobalBatchDataModule):
             num_workers=self.num_workers,
             collate_fn=collate,
             current_epoch=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
+            pin_memory=self.pins_memory(),
         )
 
 

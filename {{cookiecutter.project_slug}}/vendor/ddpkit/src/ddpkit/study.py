@@ -1,35 +1,38 @@
 """The study of `python -m ddpkit.tune`, as every worker sees it through its storage: opening it, the trials'
-heartbeats and the failing of those whose worker is gone, and what the workers write about it (trials.md,
-best.yaml, plots). Optuna's own heartbeat exists only for its SQL storages and its `optimize` loop; this one is
-a trial attribute, so a journal file (SLURM arrays) gets it too.
+heartbeats and the failing of those whose worker is gone, and which values a trial may not run again. Optuna's own
+heartbeat exists only for its SQL storages and its `optimize` loop; this one is a trial attribute, so a journal
+file (SLURM arrays) gets it too. What the workers write about the study (trials.md, best.yaml, plots) is in
+ddpkit/tune_report.py.
 """
 
-import os
 import random
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 # Trial user attributes: the last heartbeat (time.time() of the worker), who runs it, why it failed, which trial
 # it retries.
 HEARTBEAT, WORKER, NOTE, RETRY_OF = "heartbeat", "worker", "note", "retry_of"
+DIVERGED = "diverged"  # how the NOTE of a trial whose metric was not finite begins: its values have run
+REPEAT = "not run: the values of trial"  # how the NOTE of a proposal that repeated another trial's values begins
+CLOCKS = ("samples", "steps")  # what a trial's intermediate values are reported at (the pruning clock)
 
 
 @dataclass
 class Space:
     """A search space file: the distributions by dotted config key, and the study's settings."""
 
-    params: dict[str, Any]
+    params: dict[str, Any]  # in the order their arguments go on the command line (ddpkit.tune_space.ordered)
     metric: str | None = None
     direction: str | None = None
     sampler: Any = None
     pruner: Any = None
+    # key: {parent key: the parent's values under which the key applies}; a key not here always applies.
+    conditions: dict[str, dict[str, list]] = field(default_factory=dict)
+    clock: str = "samples"
 
 
 class BadInput(Exception):
@@ -117,6 +120,8 @@ def open_study(storage: Any, name: str, space: Space, metric: str, direction: st
         load_if_exists=True,
     )
     record = {"metric": metric, "params": {k: distribution_to_json(d) for k, d in space.params.items()}}
+    record |= {"conditions": space.conditions} if space.conditions else {}
+    record["clock"] = space.clock
     if study.direction.name.lower() != direction:
         raise BadInput(f"study {name!r} {study.direction.name.lower()}s its metric, this space {direction}s it")
     recorded = study.user_attrs.get("space")
@@ -198,139 +203,40 @@ def surplus(study: Any, trial: Any, total: int) -> bool:
     return sum(1 for t in study.get_trials(deepcopy=False, states=counted) if t.number < trial.number) >= total
 
 
-def fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def values_text(params: dict) -> str:
-    return ", ".join(f"{short_key(k)}={fmt(v)}" for k, v in params.items())
-
-
-def best_trial(study: Any) -> Any:
-    """The best COMPLETE trial, or None."""
+def ran(trial: Any) -> bool:
+    """Whether a trial's values have run or will: complete, pruned, diverged (its metric not finite), queued or
+    running. Failed trials (killed, timed out, stopped) do not count: their values run again, or may."""
     from optuna.trial import TrialState
 
-    return study.best_trial if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) else None
+    diverged = trial.state == TrialState.FAIL and str(trial.user_attrs.get(NOTE, "")).startswith(DIVERGED)
+    return diverged or trial.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, TrialState.RUNNING)
 
 
-def progress(study: Any, total: int, metric: str) -> str:
-    """'3/10 finished, best val/loss 0.2 (trial 2)'."""
+def trial_values(trial: Any) -> dict[str, Any]:
+    """A trial's values; a queued trial has no params yet: the values it will run are its fixed_params."""
+    return trial.params or trial.system_attrs.get("fixed_params", {})
+
+
+def repeated(study: Any, trial: Any) -> int | None:
+    """The number of another trial whose values `trial` (just asked) has: one that ran them or will (`ran`), of a
+    running one only if it has a lower number (of two workers that drew the same values at once, the later yields).
+    None when the values are new, and for a trial that was queued with its values (asked for: a retry)."""
     from optuna.trial import TrialState
 
-    finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
-    best = best_trial(study)
-    return f"{finished}/{total} finished" + (f", best {metric} {fmt(best.value)} (trial {best.number})" if best else "")
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Workers on a shared filesystem write the same files: each replaces it whole."""
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def table(study: Any, space: Space, metric: str, total: int) -> str:
-    """trials.md: one row per trial, the best marked."""
     trials = study.get_trials(deepcopy=False)
-    retried = {t.user_attrs[RETRY_OF]: t.number for t in trials if RETRY_OF in t.user_attrs}
-    best = best_trial(study)
-    keys = [short_key(k) for k in space.params]
-    head = f"Study {study.study_name!r}, {study.direction.name.lower()} {metric}: {progress(study, total, metric)}.\n\n"
-    lines = [f"| trial | state | {metric} | last step | " + " | ".join(keys) + " | seconds | worker | note |"]
-    lines.append("|" + "---|" * (7 + len(keys)))
-    for t in trials:
-        last = max(t.intermediate_values, default=None)
-        value = t.value if t.value is not None else t.intermediate_values.get(last) if last is not None else None
-        notes = [t.user_attrs.get(NOTE, "")]
-        notes.append(f"values run again as trial {retried[t.number]}" if t.number in retried else "")
-        notes.append(f"retries trial {t.user_attrs[RETRY_OF]}" if RETRY_OF in t.user_attrs else "")
-        seconds = (
-            (t.datetime_complete - t.datetime_start).total_seconds()
-            if t.datetime_complete and t.datetime_start
-            else None
-        )
-        cells = [
-            str(t.number) + (" (best)" if best and t.number == best.number else ""),
-            t.state.name,
-            "" if value is None else fmt(value),
-            "" if last is None else str(last),
-            *(fmt(t.params[k]) if k in t.params else "" for k in space.params),
-            "" if seconds is None else f"{seconds:.0f}",
-            t.user_attrs.get(WORKER, ""),
-            "; ".join(note for note in notes if note),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
-
-
-def best_yaml(study: Any, config: dict, metric: str, fit_args: list[str], out: Path) -> str | None:
-    """best.yaml: the best trial's values, nested as config.yaml nests them, for `--config <out>/best.yaml`."""
-    best = best_trial(study)
-    if best is None:
+    if any(t.number == trial.number and "fixed_params" in t.system_attrs for t in trials):
         return None
-    nested: dict = {}
-    for key, value in best.params.items():
-        *parents, leaf = config_path(config, key)
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    head = (
-        f"# The best trial of study {study.study_name!r} (python -m ddpkit.tune): trial {best.number}, {metric} "
-        f"{fmt(best.value)} ({study.direction.name.lower()}). Train it (with the trials' fit args):\n"
-        f"# {train_command(out, fit_args)}\n"
-    )
-    return head + yaml.safe_dump(nested, sort_keys=False)
+    for other in trials:
+        if other.number == trial.number or not ran(other) or trial_values(other) != trial.params:
+            continue
+        if other.state != TrialState.RUNNING or other.number < trial.number:
+            return other.number
+    return None
 
 
-def train_command(out: Path, fit_args: list[str]) -> str:
-    """The command that trains the best values as the trials trained them."""
-    return " ".join(["python main.py fit --config config.yaml --config", str(out / "best.yaml"), *fit_args])
+def distinct_values(study: Any) -> int:
+    """How many distinct sets of values the study's trials have run or will run."""
+    import json
 
-
-def plot(study: Any, metric: str, out: Path) -> list[str]:
-    """history.png (the metric per trial, the best so far) and importances.png; the names written."""
-    import warnings
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only
-        import matplotlib.pyplot as plt
-        from optuna.importance import PedAnovaImportanceEvaluator
-        from optuna.visualization import matplotlib as optuna_plots
-    except ImportError:
-        print('matplotlib is not installed: no plots (pip install -e ".[scaling]")')
-        return []
-    if best_trial(study) is None:
-        print("no plots: no trial is complete")
-        return []
-    written = []
-    # PED-ANOVA needs no scikit-learn (Optuna's default importance, fANOVA, does).
-    plots = {
-        "history.png": lambda: optuna_plots.plot_optimization_history(study, target_name=metric),
-        "importances.png": lambda: optuna_plots.plot_param_importances(study, evaluator=PedAnovaImportanceEvaluator()),
-    }
-    for name, draw in plots.items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
-            try:
-                axes = draw()
-            except (ValueError, RuntimeError, ZeroDivisionError) as error:  # e.g. importances of 1 finished trial
-                print(f"no {name}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-                continue
-        tmp = out / f".{name}.{os.getpid()}.png"
-        axes.figure.savefig(tmp, dpi=100, bbox_inches="tight")  # the legend sits outside the axes
-        os.replace(tmp, out / name)
-        plt.close(axes.figure)
-        written.append(name)
-    return written
-
-
-def write_results(
-    study: Any, space: Space, metric: str, total: int, config: dict, fit_args: list[str], out: Path
-) -> None:
-    atomic_write(out / "trials.md", table(study, space, metric, total))
-    best = best_yaml(study, config, metric, fit_args, out)
-    if best is not None:
-        atomic_write(out / "best.yaml", best)
+    trials = study.get_trials(deepcopy=False)
+    return len({json.dumps(trial_values(t), sort_keys=True) for t in trials if ran(t)})

@@ -42,6 +42,8 @@ class ToyData(GlobalBatchDataModule):
         micro_batch_size: Samples per forward pass on one device (None: its whole share).
         num_workers: DataLoader worker processes per device.
         train_size: Training samples.
+        pin_memory: Batches in pinned memory (None: on GPUs only).
+        persistent_workers: Keep loader workers from one epoch to the next (with num_workers > 0).
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class ToyData(GlobalBatchDataModule):
         micro_batch_size: int | None = None,
         num_workers: int = 0,
         train_size: int = 1079,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
     ) -> None:
-        super().__init__(global_batch_size, micro_batch_size, num_workers)
+        super().__init__(global_batch_size, micro_batch_size, num_workers, pin_memory, persistent_workers)
         self.train_size = train_size
 
     def train_dataset(self) -> Dataset:

@@ -19,10 +19,11 @@ from .processes import exit_now, stop_children
 
 
 class TrialReport(Callback):
-    """Added by the CLI to `fit` when its environment says it is a trial (ddpkit.tune's TRIAL_* variables).
+    """Added by the CLI to `fit` when its environment says it is a trial (the TRIAL_* variables of ddpkit.tune_run).
 
-    After each validation rank 0 sends {step, value} (the metric at `trainer.global_step`, an optimizer step: the
-    same on any device count) to the worker and reads its answer; a metric missing from what validation logged is
+    After each validation rank 0 sends {step, samples, value} (the metric at `trainer.global_step`, an optimizer
+    step, and the samples trained on, steps x the data module's global batch: both the same on any device count)
+    to the worker and reads its answer; a metric missing from what validation logged is
     sent as such (at the end of the sanity check when it runs, so within seconds). The answer is broadcast from
     rank 0 to every rank; a stop sets `trainer.should_stop` on all of them at once.
 
@@ -46,8 +47,11 @@ class TrialReport(Callback):
         value = trainer.callback_metrics.get(self.metric)
         if value is None:
             self._exchange(trainer, {"missing": sorted(trainer.callback_metrics)})
-        else:
-            self._exchange(trainer, {"step": trainer.global_step, "value": float(value)})
+            return
+        # Samples trained on: the pruner compares trials of different global batches at the same data seen.
+        batch = getattr(trainer.datamodule, "global_batch_size", None)
+        samples = trainer.global_step * batch if isinstance(batch, int) else None
+        self._exchange(trainer, {"step": trainer.global_step, "samples": samples, "value": float(value)})
 
     def _exchange(self, trainer: L.Trainer, message: dict) -> None:
         answer = self._ask(message) if trainer.is_global_zero else None

@@ -419,7 +419,8 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
     resumed = cpu_runs["resume-2to1"]
     locations = []
-    torch.load(as_cuda(cpu_runs["2dev-fp64"], steps), map_location=lambda s, loc: locations.append(loc) or s)
+    path = as_cuda(cpu_runs["2dev-fp64"], steps)
+    torch.load(path, map_location=lambda s, loc: locations.append(loc) or s, weights_only=False)  # hyperparameters too
     assert locations and set(locations) == {"cuda:0"}
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     comparable(steps)

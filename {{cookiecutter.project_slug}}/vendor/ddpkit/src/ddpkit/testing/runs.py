@@ -44,6 +44,7 @@ import torch
 
 from .. import presets
 from ..parity import load_weights
+from ..sharding import shards_on_cpu
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .fake_cuda import save_as_cuda
 from .helpers import finish, headline, main_py, run_main, start
@@ -98,7 +99,7 @@ def plan(configured: dict) -> dict:
         "one_to_two": n + max(1, n // 4),
         "micro_batch_size": micro,
         "takes_scheduler": configured.get("takes_scheduler", False),
-        "shards": configured.get("shards_layers", False),
+        "shards": configured.get("shards_layers", False) and shards_on_cpu(),
         "manual_optimization": configured.get("manual_optimization", False),
         "steps_per_batch": configured.get("steps_per_batch", 1),
         "random_step": configured.get("random_step", ""),
