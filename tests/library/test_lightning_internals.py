@@ -177,6 +177,8 @@ def test_subcommand_hook_wraps_the_whole_run(tmp_path):
 
 
 @pytest.mark.environ  # sets TORCH_FR_BUFFER_SIZE, as the CLI does, before its process group forms
+# It sets TORCH_FR_BUFFER_SIZE where no earlier test's CLI has: before any job's processes could inherit it.
+@pytest.mark.environ
 def test_flight_recorder_and_store_of_a_process_group(tmp_path, monkeypatch):
     """With TORCH_FR_BUFFER_SIZE as the CLI sets it, the flight recorder lists each collective of a gloo group with
     its sequence number and kind, newest last (torch 2.8 on; before, it lists none); the default store holds what a
