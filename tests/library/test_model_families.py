@@ -11,9 +11,12 @@ where they first differ. The checks are the suite's own functions, given the run
 
 import inspect
 import json
+import math
 import os
 import re
 import shutil
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -85,10 +88,18 @@ class Suite(NamedTuple):
     runs: Waves  # the plugin's cpu_runs
     steps: dict  # its steps
     configured: dict  # its global_batch
+    args: list[str]  # what its runs append (a user's PARITY_ARGS)
+
+
+# The arguments of the model whose runs this thread builds: runs.py asks for them (parity_args) when it builds a
+# wave's commands, which is when a run of the wave is first asked for, in the asking thread: in the fixture for the
+# runs it starts, in a test for a run a check starts then (2dev-fp64-again). One value per process would give every
+# model's later runs the last model's arguments.
+BUILDING = threading.local()
 
 
 @pytest.fixture(scope="module")
-def suites(tmp_path_factory) -> dict[str, Suite]:
+def suites(tmp_path_factory) -> Iterator[dict[str, Suite]]:
     """Per model, the suite's first wave (1 and 2 devices in float64, and the rounding reference) and, for the buggy
     ones and the LSTM, its one-step runs, with its steps: the first waves all at once, then the one-step runs of 4
     models at a time, from one fork server of the toy's main.py."""
@@ -104,25 +115,27 @@ def suites(tmp_path_factory) -> dict[str, Suite]:
     models = {name: args for name, (args, _) in MODELS.items()}
     models["streaming"] = [*models["streaming"], "--data.shard_dir", str(base / "shards")]
     with pytest.MonkeyPatch.context() as patch:
+        # What the suite's commands append (a user's PARITY_ARGS), given to runs.py itself: a variable set in this
+        # process would reach the background jobs' processes too (tests/conftest.py).
+        patch.setattr(suite_runs, "parity_args", lambda: list(BUILDING.args))
         for name, args in models.items():
             configured = describe(*COMMON, *args)
-            # What the suite's commands append (a user's PARITY_ARGS), given to runs.py itself: a variable set in
-            # this process would reach the background jobs' processes too (tests/conftest.py).
-            patch.setattr(suite_runs, "parity_args", lambda args=args: [*COMMON, *args])
+            BUILDING.args = [*COMMON, *args]
             (base / name).mkdir()
             steps = plan(configured)
             runs = shared_runs(base / name, steps)
             one_step = ONE_STEP if name in ONE_STEP_MODELS else ()
             runs.want({"1dev-fp64", "2dev-fp64", reference_run(steps, "fp64"), *one_step})
-            suites[name] = Suite(runs, steps, configured)
+            suites[name] = Suite(runs, steps, configured, BUILDING.args)
         with ThreadPoolExecutor(len(suites)) as pool:  # every first wave at once (each mostly start-up)
             list(pool.map(lambda name: started(suites[name], "1dev-fp64"), suites))
         with ThreadPoolExecutor(4) as pool:  # 5 runs each, 2 of them of 2 processes
             list(pool.map(lambda name: started(suites[name], ONE_STEP[0]), ONE_STEP_MODELS))
-    return suites
+        yield suites
 
 
 def started(suite: Suite, run: str) -> None:
+    BUILDING.args = suite.args
     try:
         suite.runs[run]
     except AssertionError:
@@ -131,6 +144,7 @@ def started(suite: Suite, run: str) -> None:
 
 def call(check, suite: Suite, **params) -> None:
     """A suite check called as pytest would, with the fixtures it names."""
+    BUILDING.args = suite.args
     fixtures = {"cpu_runs": suite.runs, "steps": suite.steps, "global_batch": suite.configured}
     check(**{name: fixtures[name] for name in inspect.signature(check).parameters if name in fixtures}, **params)
 
@@ -184,38 +198,48 @@ def test_weights_check_fails_on_a_summed_loss_and_unsynced_batchnorm(suites, nam
     assert "(OVER bound" in str(failed.value).splitlines()[1]  # the tensors over their bound first
 
 
+# The ranks' unsynced val/loss apart, over the bound: 235 x for the MobileNetV3-small at seed 0 (its untrained
+# classifier near uniform on both halves of the set), the least of the families (2026-12-04, docs/measurements.md).
+UNSYNCED_METRIC_MARGIN = 100
+
+
 @pytest.mark.parametrize("name", [name for name, (_, bugs) in MODELS.items() if "logs" in bugs])
 def test_evaluation_check_fails_on_an_unsynced_metric(suites, name):
     """A validation loss logged without syncing: the ranks report different values (each its own share's mean), and
-    the evaluation check fails on it, by at least 1e3 x its bound (METRIC_STATE_ROUNDING)."""
+    the evaluation check fails on it, by at least UNSYNCED_METRIC_MARGIN x its bound (METRIC_STATE_ROUNDING)."""
     suite = suites[name]
     with pytest.raises(AssertionError):
         call(check_parity.test_eval_metrics_count_each_sample_once, suite, stage="val")
     ranks = [suite.runs["2dev-fp64"].probe(rank=r)["val"][-1]["val/loss"] for r in (0, 1)]
     apart = abs(ranks[0] - ranks[1]) / abs(ranks[0])
     print(f"{name}: the ranks' val/loss {apart:.3g} apart")  # docs/measurements.md
-    assert apart >= 1e3 * check_parity.METRIC_STATE_ROUNDING
+    assert apart >= UNSYNCED_METRIC_MARGIN * check_parity.METRIC_STATE_ROUNDING
 
 
 def one_step_margin(suite: Suite, precision: str) -> float:
-    """How far outside the one-step check's bound 2 devices' gradients are: the worst gradient over its bound."""
+    """How far outside the one-step check's bound 2 devices' steps are: the worst gradient, weight or buffer over its
+    bound (unsynchronized BatchNorm shows in the running statistics after the step where bf16 hides it in the
+    gradient: the small CNN's, 2026-12-04)."""
     records = [check_onestep.records(run) for run in check_onestep.step_runs(suite.runs, precision)]
     verdicts = check_onestep.step_verdicts(*records, precision, check_parity.no_gradient(suite.runs))
-    return max(v.apart / v.bound for _, what, v in verdicts if what == "gradient" and not v.rounding)
+    judged = [v for _, what, v in verdicts if what in ("gradient", "after") and not v.rounding]
+    return max(v.apart / v.bound if v.bound else math.inf * (v.apart > 0) for v in judged)  # a count: exact
 
 
-# The least factor by which the gradient of a summed loss or of unsynchronized BatchNorm lands outside the one-step
-# check's bound, a tenth of what was measured (seed 0, 2026-12-04, docs/measurements.md "Model families").
+# The one-step check must fail: over its bound. Measured at seed 0 (2026-12-04, docs/measurements.md "Model
+# families"): float32 4.9e4 to 5.2e5 x, bf16 8.0 to 11.1 x, but 1.18 x for the small CNN's unsynchronized BatchNorm
+# in bf16 (in its running statistics after the step, against AFTER_STEP_FACTOR); the ranks check names that bug
+# bit for bit first (test_one_step_check_fails_on_an_unsynced_logged_value).
 ONE_STEP_MARGIN = {name: 1.0 for name in WEIGHTS_MARGIN}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", WEIGHTS_MARGIN)
 def test_one_step_check_fails_on_a_summed_loss_and_unsynced_batchnorm(suites, name, precision):
-    """The one-step check fails for each bug in each family in float32 and in bf16-mixed, the gradients over their
-    bound first, by at least ONE_STEP_MARGIN[name] times the bound."""
+    """The one-step check fails for each bug in each family in float32 and in bf16-mixed, a gradient or a weight or
+    buffer after the step over its bound (listed first), by at least ONE_STEP_MARGIN[name] times the bound."""
     suite = suites[name]
-    with pytest.raises(AssertionError, match=r"global batch \d+, gradient:\n .*\(OVER bound"):
+    with pytest.raises(AssertionError, match=r"global batch \d+, (gradient|after):\n .*\(OVER bound"):
         call(check_onestep.test_one_step_from_the_same_state_matches_1_vs_2_devices, suite, precision=precision)
     margin = one_step_margin(suite, precision)
     print(f"{name} {precision}: 2 devices' gradients at {margin:.3g} x the one-step bound")  # docs/measurements.md
@@ -225,8 +249,10 @@ def test_one_step_check_fails_on_a_summed_loss_and_unsynced_batchnorm(suites, na
 @pytest.mark.parametrize("name", [name for name, (_, bugs) in MODELS.items() if "logs" in bugs])
 def test_one_step_check_fails_on_an_unsynced_logged_value(suites, name):
     """A training loss logged without syncing: after the one-step runs' steps, in float32 and in bf16-mixed, the
-    ranks logged different values, and the ranks check says so."""
-    with pytest.raises(AssertionError, match=r"global batch \d+: a value logged without sync"):
+    ranks logged different values, and the ranks check says so; with unsynchronized BatchNorm too, the ranks'
+    running statistics differ first, and it names those."""
+    unsynced = r"the ranks hold different \['[^']*running_mean" if "batchnorm" in MODELS[name][1] else "a value logged"
+    with pytest.raises(AssertionError, match=rf"global batch \d+: {unsynced}"):
         call(check_onestep.test_both_ranks_end_bit_identical, suites[name])
 
 

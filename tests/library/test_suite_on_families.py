@@ -157,15 +157,16 @@ def test_a_correct_model_gets_a_green_default_pytest(family_sessions, family):
     ]
     allowed = SKIPS["all"] + SKIPS.get(family, ())
     skips = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("SKIPPED ")]
-    assert all(reason.startswith(allowed) or allowed[-1] in reason for reason in skips), skips
+    assert all(any(a in reason for a in allowed) for reason in skips), skips
     assert all((runs / f"step-2dev-{tag}" / "probe" / "onestep.pt").is_file() for tag in ("fp32", "bf16"))
 
 
-# Checkpoint bytes of a session over the model's float64 weights: 60 (BatchNorm), 62 (GroupNorm), 67 (BERT, whose
-# checkpoints are mostly the loops' and callbacks' state), 2026-12-03, docs/measurements.md; the bound is the
-# largest plus a tenth. Before the suite kept optimizer state only where a run resumes it, ResNet-18 at width 64
-# left 17 GB: 190 x its 90 MB.
-FOOTPRINT = 74
+# Checkpoint bytes of a session over the model's float64 weights: 93 (GPT-2), 97 (MobileNetV3-small), 99 (GroupNorm
+# ResNet), 93 (the small CNN, whose checkpoints are mostly the loops' and callbacks' state), 2026-12-04, with the
+# one-step runs' 3 saved states (60-67 before, 2026-12-03), docs/measurements.md; the bound is the largest plus a
+# tenth. Before the suite kept optimizer state only where a run resumes it, ResNet-18 at width 64 left 17 GB: 190 x
+# its 90 MB.
+FOOTPRINT = 109
 
 
 @pytest.mark.parametrize("family", FAMILIES)

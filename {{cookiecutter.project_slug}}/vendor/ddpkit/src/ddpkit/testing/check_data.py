@@ -14,7 +14,7 @@ import json
 import pytest
 
 from .fingerprints import first_difference, rank_difference
-from .runs import Waves
+from .runs import GATED_BY, Waves, reads
 
 UNUSED_TEST = "test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones"
 DATA_TEST = "test_every_rank_holds_the_same_datasets"
@@ -71,6 +71,7 @@ def test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones(global_bat
         pytest.fail(global_batch["unused_parameters"], pytrace=False)
 
 
+@reads(*GATED_BY)
 def test_every_rank_holds_the_same_datasets(cpu_runs):
     """Before training, each rank of the 2-device float64 run fingerprints the data module's train and val sets (the
     length and a hash of each sample as the dataset returns it; of evenly spaced ones in a large set), as the
