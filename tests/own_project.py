@@ -238,13 +238,15 @@ def tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-# The parity tests that read only the first wave of runs (1 and 2 devices in float64), so that each bug below
-# costs 2 runs, not the whole suite's: enough to catch each of them.
-PARITY_FIRST_WAVE = [
-    "tests/test_guarantees.py::test_weights_match_1_vs_2_devices[fp64]",
-    "tests/test_guarantees.py::test_logged_scalars_match_every_step[fp64]",
+# The parity tests that read only the first wave of runs (1 and 2 devices in float64) and the one-step runs, so that
+# each bug below costs those runs, not the whole suite's: enough to catch each of them, in float64 and, one step at a
+# time, in float32 and bf16. The suite starts only the runs these read (runs.reads): the session's runs folder shows.
+PARITY_SELECTED = [
+    "tests/test_guarantees.py::test_weights_match_1_vs_2_devices",
+    "tests/test_guarantees.py::test_logged_scalars_match_every_step",
     "tests/test_guarantees.py::test_logged_training_values_are_global",
     "tests/test_guarantees.py::test_eval_metrics_count_each_sample_once[val]",
+    "tests/test_guarantees.py::test_one_step_from_the_same_state_matches_1_vs_2_devices",
 ]
 
 
@@ -312,11 +314,14 @@ def story(base: Path) -> dict:
         record["steps"].append((step, result.returncode, result.stdout))
     record["left_behind"] = {p.name for p in project.iterdir()} - before
 
-    def bug_run(bug: str) -> tuple[int, str]:
-        cmd = ["python", "-m", "pytest", *PARITY_FIRST_WAVE, "-q", "-rf", "-p", "no:cacheprovider"]
+    def bug_run(bug: str) -> tuple[int, str, list[str]]:
+        temporary = base / f"bug-{bug}"
+        cmd = ["python", "-m", "pytest", *PARITY_SELECTED, "-q", "-rf", "-p", "no:cacheprovider"]
+        cmd += ["--basetemp", str(temporary)]
         bug_env = {**env, "PARITY_ARGS": f"--model my_project.buggy.{bug}"}
         result = run(["bash", "-c", shlex.join(cmd)], project, 900, bug_env)
-        return result.returncode, result.stdout
+        started = sorted(p.stem for p in (temporary / "runs0").glob("*.log"))  # a log a run started
+        return result.returncode, result.stdout, started
 
     # The GPU check's dry run in this environment, which holds only what `.[dev]` installs (test_gpu_check.py).
     find = "import importlib.util as u; print(' '.join(m for m in ('optuna', 'mlflow', 'wandb') if u.find_spec(m)))"

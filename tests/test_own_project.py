@@ -84,22 +84,37 @@ def test_own_model_and_data_keep_the_guarantees(own_project):
     assert own_project["left_behind"] <= {".pytest_cache", ".ruff_cache"}
 
 
+ONE_STEP = "test_one_step_from_the_same_state_matches_1_vs_2_devices"
+
+
 @pytest.mark.parametrize(
     ("bug", "caught_by"),
     [
-        ("SumLoss", ["test_logged_scalars_match_every_step[fp64]", "test_weights_match_1_vs_2_devices[fp64]"]),
-        ("UnsyncedBatchNorm", ["test_weights_match_1_vs_2_devices[fp64]"]),
+        ("SumLoss", ["test_logged_scalars_match_every_step", "test_weights_match_1_vs_2_devices",
+                     f"{ONE_STEP}[fp32]", f"{ONE_STEP}[bf16]"]),
+        ("UnsyncedBatchNorm", ["test_weights_match_1_vs_2_devices", f"{ONE_STEP}[fp32]", f"{ONE_STEP}[bf16]"]),
         ("UnsyncedMetric", ["test_eval_metrics_count_each_sample_once[val]"]),
     ],
-)
+)  # fmt: skip
 def test_parity_suite_fails_on_classic_ddp_bugs(own_project, bug, caught_by):
-    """The project's parity tests, run on the user's module with one classic DDP bug, fail on that bug."""
-    code, out = own_project["bugs"][bug]
+    """The project's parity tests, run on the user's module with one classic DDP bug, fail on that bug: in float64
+    and, one step at a time, in float32 and bf16 (a validation metric is judged in float64 alone)."""
+    code, out, _ = own_project["bugs"][bug]
     print(out[-3000:])
     failed = [line.split()[1] for line in out.splitlines() if line.startswith("FAILED ")]
     assert code == 1 and failed, out[-6000:]
     for name in caught_by:
-        assert any(name in f for f in failed), (name, failed)
+        assert any(f.endswith(f"::{name}") for f in failed), (name, failed)
+
+
+def test_selected_tests_start_only_the_runs_they_read(own_project):
+    """The bug sessions select 5 of the suite's tests (own_project.PARITY_SELECTED): the suite started their runs
+    alone, the first wave's 3 (the user's model takes micro-batches: the reference is 4 of them; for BatchNorm,
+    reversed batches) and the 5 one-step runs, none of the others' 20 (torchrun, resumes, evaluation, SLURM...)."""
+    one_step = ["step-1dev-bf16", "step-1dev-fp32", "step-1dev-fp64", "step-2dev-bf16", "step-2dev-fp32"]
+    for bug, (_, _, started) in own_project["bugs"].items():
+        reference = "1dev-reversed-fp64" if bug == "UnsyncedBatchNorm" else "1dev-acc4-fp64"
+        assert started == sorted(["1dev-fp64", "2dev-fp64", reference, *one_step]), (bug, started)
 
 
 def test_gpu_check_dry_run_needs_nothing_beyond_the_projects_dev_install(own_project):

@@ -7,12 +7,16 @@ not fit in memory, the toy's blobs as shards, streamed (StreamingToyData).
 
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit.testing.parity_probe import batch_len
 from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
 
 
 class SmallToyData(ToyData):
@@ -266,6 +270,270 @@ class TinyBert(ToyClassifier):
         return self(batch).argmax(dim=-1)
 
 
+# --- A GPT-2 (fused QKV, tied embeddings, default dropouts), a small BatchNorm CNN, a MobileNetV3-small ----------
+
+TEXT_WORDS = ("the", "of", "and", "to", "in", "is", "was", "that", "for", "on", "with", "as", "by", "at", "from",
+              "river", "stone", "light", "morning", "garden", "window", "silver", "quiet", "north",
+              "letter")  # fmt: skip
+BLOCK = 32  # bytes a sequence
+
+
+class ByteText(Dataset):
+    """`n` windows of BLOCK + 1 bytes of a made-up English-like text (seeded words, sentences of 4-12): for each,
+    the input bytes (BLOCK,) int64 and the next bytes (BLOCK,), as a byte-level language model trains on."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < n * BLOCK + 1:
+            length = int(torch.randint(4, 13, (1,), generator=generator))
+            picks = torch.randint(0, len(TEXT_WORDS), (length,), generator=generator).tolist()
+            sentence = " ".join(TEXT_WORDS[i] for i in picks)
+            words.append(sentence[0].upper() + sentence[1:] + ".")
+        data = torch.tensor(list(" ".join(words).encode()), dtype=torch.long)
+        self.windows = data[: n * BLOCK + 1]
+
+    def __len__(self) -> int:
+        return (len(self.windows) - 1) // BLOCK
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        chunk = self.windows[i * BLOCK : (i + 1) * BLOCK + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class ByteData(SmallToyData):
+    """SmallToyData's sizes as windows of bytes (the GPT-2's input)."""
+
+    def train_dataset(self) -> Dataset:
+        return ByteText(self.train_size, seed=0)
+
+    def val_dataset(self) -> Dataset:
+        return ByteText(self.val_size, seed=1)
+
+    def test_dataset(self) -> Dataset:
+        return ByteText(self.val_size, seed=2)
+
+
+class GPT2Attention(nn.Module):
+    """GPT-2's causal self-attention: query, key and value from one fused projection (`c_attn`, as Hugging Face's
+    GPT-2 has it), so the key's bias, which gets no gradient, is a slice of a tensor whose other slices do."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(dropout), nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (p.view(b, t, self.heads, d // self.heads).transpose(1, 2) for p in self.c_attn(x).split(d, dim=2))
+        # The attention dropout's rate read from its module, as Hugging Face's SDPA path does (NoDropout reaches it).
+        p = self.attn_dropout.p if self.training else 0.0
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, heads, T, hs)
+        return self.resid_dropout(self.c_proj(attended.transpose(1, 2).reshape(b, t, d)))
+
+
+class GPT2Block(nn.Module):
+    """GPT-2's pre-norm block: x + attention(ln_1(x)), then x + MLP(ln_2(x)) with tanh-approximated GELU."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(dim), GPT2Attention(dim, heads, dropout), nn.LayerNorm(dim)
+        self.c_fc, self.c_proj, self.dropout = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.dropout(self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
+
+
+class GPT2(L.LightningModule):
+    """A GPT-2 language model on bytes (Radford et al. 2019; Hugging Face's GPT2LMHeadModel's layout): token and
+    position embeddings, pre-norm blocks with fused QKV attention, a final LayerNorm, the output layer tied to the
+    token embedding; GPT-2's initialization and its default dropouts (0.1 each). Logs train/loss every step
+    (synced), val/loss and val/acc (next-byte accuracy) as torchmetrics objects; AdamW with torch's defaults.
+
+    Args:
+        dim: Embedding size (n_embd).
+        heads: Attention heads.
+        layers: Blocks.
+        dropout: Embedding, attention and residual dropout rate.
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, dim: int = 64, heads: int = 2, layers: int = 2, dropout: float = 0.1, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lr = lr
+        self.wte, self.wpe, self.drop = nn.Embedding(256, dim), nn.Embedding(BLOCK, dim), nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPT2Block(dim, heads, dropout) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, 256, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        for name, module in self.named_modules():  # GPT-2's: N(0, 0.02), zero biases, residual outputs scaled
+            if isinstance(module, nn.Linear | nn.Embedding):
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith("c_proj") else 0.02
+                nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        self.losses = nn.ModuleDict({stage: MeanMetric() for stage in ("val", "test")})
+        self.accs = nn.ModuleDict({stage: MulticlassAccuracy(256, average="micro") for stage in ("val", "test")})
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))  # (B, T, dim)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, 256)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        ids, targets = batch
+        loss = F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
+        self.log("train/loss", loss.detach(), sync_dist=True)
+        return loss
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
+        ids, targets = batch
+        logits = self(ids).flatten(0, 1)
+        self.losses[stage].update(F.cross_entropy(logits, targets.flatten(), reduction="none"))
+        self.accs[stage].update(logits, targets.flatten())
+        self.log(f"{stage}/loss", self.losses[stage])
+        self.log(f"{stage}/acc", self.accs[stage])
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class SmallBatchNormCNN(ToyClassifier):
+    """2 convolutions with BatchNorm on ImageData's 16 x 16 images, trained by SGD with momentum 0.9.
+
+    Args:
+        width: Channels of the first convolution (the second has twice as many).
+        lr: SGD learning rate.
+    """
+
+    def __init__(self, width: int = 16, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.net = nn.Sequential(
+            nn.Conv2d(IMAGE[0], width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),  # (B, w, 8, 8)
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, CLASSES),
+        )  # fmt: skip
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def divisible(channels: float, by: int = 8) -> int:
+    """MobileNet's channel rounding: the nearest multiple of `by`, never below 90% of `channels`."""
+    rounded = max(by, int(channels + by / 2) // by * by)
+    return rounded + by if rounded < 0.9 * channels else rounded
+
+
+class ConvNormAct(nn.Sequential):
+    """Convolution (no bias), BatchNorm (MobileNetV3's eps 1e-3, momentum 0.01), then an activation or none."""
+
+    def __init__(self, a: int, b: int, kernel: int, stride: int = 1, groups: int = 1, act: type | None = nn.Hardswish):
+        layers = [nn.Conv2d(a, b, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False)]
+        layers += [nn.BatchNorm2d(b, eps=1e-3, momentum=0.01), *([act()] if act else [])]
+        super().__init__(*layers)
+
+
+class SqueezeExcite(nn.Module):
+    """Channel attention: the map's mean through a bottleneck (a quarter of the channels), hard-sigmoid scaled."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        squeezed = divisible(channels // 4)
+        self.fc1, self.fc2 = nn.Conv2d(channels, squeezed, 1), nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = F.hardsigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1)))))  # (B, C, 1, 1)
+        return x * scale
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3's block: 1 x 1 expansion, depthwise k x k, squeeze-excitation, 1 x 1 projection; a shortcut
+    where the shape is kept."""
+
+    def __init__(self, a: int, kernel: int, expanded: int, b: int, se: bool, act: type, stride: int) -> None:
+        super().__init__()
+        layers = [ConvNormAct(a, expanded, 1, act=act)] if expanded != a else []
+        layers += [ConvNormAct(expanded, expanded, kernel, stride, groups=expanded, act=act)]
+        layers += [SqueezeExcite(expanded)] if se else []
+        self.block = nn.Sequential(*layers, ConvNormAct(expanded, b, 1, act=None))
+        self.shortcut = stride == 1 and a == b
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.block(x) if self.shortcut else self.block(x)
+
+
+# MobileNetV3-small's blocks (Howard et al. 2019, table 2): in, kernel, expanded, out, squeeze-excite, activation,
+# stride.
+MOBILENET_V3_SMALL = [
+    (16, 3, 16, 16, True, nn.ReLU, 2), (16, 3, 72, 24, False, nn.ReLU, 2), (24, 3, 88, 24, False, nn.ReLU, 1),
+    (24, 5, 96, 40, True, nn.Hardswish, 2), (40, 5, 240, 40, True, nn.Hardswish, 1),
+    (40, 5, 240, 40, True, nn.Hardswish, 1), (40, 5, 120, 48, True, nn.Hardswish, 1),
+    (48, 5, 144, 48, True, nn.Hardswish, 1), (48, 5, 288, 96, True, nn.Hardswish, 2),
+    (96, 5, 576, 96, True, nn.Hardswish, 1), (96, 5, 576, 96, True, nn.Hardswish, 1),
+]  # fmt: skip
+
+
+class MobileNetV3Small(ToyClassifier):
+    """MobileNetV3-small (torchvision's layout: a strided 3 x 3 stem, 11 inverted residual blocks with
+    squeeze-excitation and hard-swish, a 1 x 1 convolution to 576 channels, a 1024-wide head with dropout 0.2),
+    1.5M parameters for 10 classes, on 32 x 32 images (LargeImageData); AdamW as the toy's.
+
+    Args:
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__(lr=lr)
+        layers = [ConvNormAct(3, 16, 3, stride=2)]
+        layers += [InvertedResidual(*block) for block in MOBILENET_V3_SMALL]
+        layers += [ConvNormAct(96, 576, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        head = [nn.Linear(576, 1024), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(1024, CLASSES)]
+        self.net = nn.Sequential(*layers, *head)
+        for module in self.modules():  # torchvision's initialization
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out")
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0, 0.01)
+                nn.init.zeros_(module.bias)
+
+
+LARGE_IMAGE = (3, 32, 32)
+
+
+class LargeImageData(SmallToyData):
+    """SmallToyData's sizes as 3 x 32 x 32 images (MobileNetV3's input): a class's fixed pattern plus unit noise."""
+
+    @staticmethod
+    def images(n: int, seed: int) -> TensorDataset:
+        generator = torch.Generator().manual_seed(seed)
+        patterns = torch.randn(CLASSES, *LARGE_IMAGE, generator=torch.Generator().manual_seed(4321)) * 0.5
+        labels = torch.randint(0, CLASSES, (n,), generator=generator)
+        return TensorDataset(patterns[labels] + torch.randn(n, *LARGE_IMAGE, generator=generator), labels)
+
+    def train_dataset(self) -> Dataset:
+        return self.images(self.train_size, seed=0)
+
+    def val_dataset(self) -> Dataset:
+        return self.images(self.val_size, seed=1)
+
+    def test_dataset(self) -> Dataset:
+        return self.images(self.val_size, seed=2)
+
+
 # --- Classic DDP bugs, each a mixin put before a family's class: trains fine on 1 device, differently on 2 ----------
 
 
@@ -275,11 +543,11 @@ def split(batch) -> tuple:
 
 
 class SummedLoss:
-    """The loss summed over the batch: DDP averages gradients over ranks, so 2 devices take half the step."""
+    """The loss summed over the batch (the family's mean loss times the samples): DDP averages gradients over ranks,
+    so 2 devices take half the step."""
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        x, y = split(batch)
-        return F.cross_entropy(self(x), y, reduction="sum")
+        return super().training_step(batch, batch_idx) * batch_len(batch)
 
 
 class UnsyncedMetric:
@@ -289,6 +557,25 @@ class UnsyncedMetric:
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = split(batch)
         logits = self(x)
+        self.accs["val"].update(logits, y)
+        self.log("val/acc", self.accs["val"])
+        self.log("val/loss", F.cross_entropy(logits, y))
+
+
+class UnsyncedLogs:
+    """The training loss logged every step and the validation loss as each batch's mean, neither synced: each rank
+    logs its own share's (the accuracy, which the checkpoint monitors, stays a synced metric)."""
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss_unsynced", loss.detach(), on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = split(batch)
+        logits = self(x)
+        if logits.dim() == 3:  # a language model's (B, T, vocabulary): one prediction a token
+            logits, y = logits.flatten(0, 1), y.flatten()
         self.accs["val"].update(logits, y)
         self.log("val/acc", self.accs["val"])
         self.log("val/loss", F.cross_entropy(logits, y))
@@ -308,3 +595,37 @@ class UnsyncedMetricResNet18(UnsyncedMetric, ResNet18):
 
 class UnsyncedMetricBert(UnsyncedMetric, TinyBert):
     """TinyBert with an unsynced validation loss."""
+
+
+# Two bugs in one model where each fails its own checks: a summed loss (the gradient, the weights) and unsynced logs
+# (the values logged, on the ranks and in validation); BatchNorm left unsynchronized is the config's.
+class BuggyToy(UnsyncedLogs, SummedLoss, ToyClassifier):
+    """The toy's MLP (the digits example's network and optimizer) with a summed loss and unsynced logs."""
+
+
+class BuggyResNet18(UnsyncedLogs, SummedLoss, ResNet18):
+    """ResNet18 with a summed loss and unsynced logs."""
+
+
+class BuggyGPT2(UnsyncedLogs, SummedLoss, GPT2):
+    """GPT2 with a summed loss and unsynced logs."""
+
+
+class UnsyncedLogsResNet18(UnsyncedLogs, ResNet18):
+    """ResNet18 with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
+
+
+class UnsyncedLogsSmallBatchNormCNN(UnsyncedLogs, SmallBatchNormCNN):
+    """SmallBatchNormCNN with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
+
+
+class UnsyncedLogsMobileNetV3Small(UnsyncedLogs, MobileNetV3Small):
+    """MobileNetV3Small with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
+
+
+class SummedLossSmallBatchNormCNN(SummedLoss, SmallBatchNormCNN):
+    """SmallBatchNormCNN with a summed loss."""
+
+
+class SummedLossMobileNetV3Small(SummedLoss, MobileNetV3Small):
+    """MobileNetV3Small with a summed loss."""

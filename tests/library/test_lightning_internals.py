@@ -105,6 +105,17 @@ def test_ddp_comm_hook_is_read():
     assert internals.ddp_comm_hook(DDPStrategy()) is None and internals.ddp_comm_hook(object()) is None
 
 
+def test_ddp_kwargs_say_whether_ddp_looks_for_unused_parameters():
+    """A DDPStrategy's DDP arguments are read: find_unused_parameters as given, as the registered alias
+    `ddp_find_unused_parameters_true` sets it, and absent by default."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert internals.ddp_kwargs(DDPStrategy(find_unused_parameters=True)) == {"find_unused_parameters": True}, VERSIONS
+    alias = StrategyRegistry["ddp_find_unused_parameters_true"]["init_params"]
+    assert internals.ddp_kwargs(DDPStrategy(**alias))["find_unused_parameters"] is True
+    assert "find_unused_parameters" not in internals.ddp_kwargs(DDPStrategy())
+
+
 def test_throughput_peak_reaches_every_stage():
     """After setup (no peak on the CPU), the new peak is the monitor's and that of each stage's meter."""
     from lightning.pytorch.callbacks import ThroughputMonitor
@@ -166,6 +177,8 @@ def test_subcommand_hook_wraps_the_whole_run(tmp_path):
 
 
 @pytest.mark.environ  # sets TORCH_FR_BUFFER_SIZE, as the CLI does, before its process group forms
+# It sets TORCH_FR_BUFFER_SIZE where no earlier test's CLI has: before any job's processes could inherit it.
+@pytest.mark.environ
 def test_flight_recorder_and_store_of_a_process_group(tmp_path, monkeypatch):
     """With TORCH_FR_BUFFER_SIZE as the CLI sets it, the flight recorder lists each collective of a gloo group with
     its sequence number and kind, newest last (torch 2.8 on; before, it lists none); the default store holds what a

@@ -2,6 +2,7 @@
 versions, the collective timeout, the progress bar's default, the requeue checkpoint's name."""
 
 import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -15,14 +16,17 @@ from ddpkit.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.testing.check_parity import (
     BOUNDS,
-    FLOAT32_CEILING,
     ROUNDING_CEILING,
     ROUNDING_FACTOR,
+    Bound,
+    Noise,
+    assert_within,
     fp64_bound,
-    weights_bound,
+    judge,
 )
+from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
 from ddpkit.testing.configured import switch_off
-from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints
+from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -88,7 +92,8 @@ def test_next_hpc_checkpoint_follows_the_highest_number(tmp_path):
 
 
 def test_over_bound_leaves_out_tensors_at_rounding_level_and_nan_never_passes():
-    """A tensor fails on max_rel above the bound unless its max_abs is within `at_rounding`; NaN fails either way."""
+    """A tensor fails on max_rel above the bound unless its max_abs is within `at_rounding`; NaN fails either way.
+    A report lists the tensors over the bound first and those at rounding level last."""
     f64 = functools.partial(torch.tensor, dtype=torch.float64)
     diffs = [
         diff("key.bias", f64([1e-16, -2e-16]), f64([3e-16, -1e-16])),  # max_rel 1.0, at rounding level
@@ -98,16 +103,21 @@ def test_over_bound_leaves_out_tensors_at_rounding_level_and_nan_never_passes():
     assert [d.name for d in over_bound(diffs, 1e-12)] == ["key.bias", "weight", "nan"]
     assert [d.name for d in over_bound(diffs, 1e-12, at_rounding=1e-15)] == ["weight", "nan"]
     assert [d.name for d in over_bound(diffs, 1e-9, at_rounding=1e-15)] == ["nan"]
-    lines = report(diffs, at_rounding=1e-15).splitlines()
-    assert lines[0] == "  key.bias: max_abs 2e-16, max_rel 1 (at rounding level)" and "rounding" not in lines[1]
+    lines = report(diffs, at_rounding=1e-15, max_rel=1e-12).splitlines()  # over the bound first, rounding last
+    assert lines == [
+        "  weight: max_abs 1e-09, max_rel 5e-10 (over 1e-12)",
+        "  nan: max_abs nan, max_rel nan (over 1e-12)",
+        "  key.bias: max_abs 2e-16, max_rel 1 (at rounding level)",
+    ]
     assert "rounding" not in report(diffs)  # no level given: nothing is marked
 
 
 class Weights:
-    """A finished run as fp64_bound reads it: its final weights (w, and a bias that holds only rounding)."""
+    """A finished run as fp64_bound reads it: its final weights (w, and a bias that holds only rounding) and its
+    folder, where the gradients' peaks may be (none: no element is left out)."""
 
-    def __init__(self, w: list[float], bias: float) -> None:
-        self.w, self.bias = w, bias
+    def __init__(self, w: list[float], bias: float, root: Path = Path("/nonexistent")) -> None:
+        self.w, self.bias, self.root = w, bias, root
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {"w": torch.tensor(self.w, dtype=torch.float64), "bias": torch.tensor([self.bias], dtype=torch.float64)}
@@ -127,40 +137,82 @@ def test_fp64_bound_is_a_factor_of_the_models_rounding_at_least_the_fixed_one(
     micro_batch_size, reference, max_rel, at_rounding
 ):
     """1 device with 4 micro-batches (or reversed batches) vs without sets the bound: w moves from 2.0 by
-    `reference`; the bias, 1e-16 moved by 1e-16, holds only rounding and does not count. A reference above
-    ROUNDING_CEILING leaves the fixed bound."""
+    `reference`; the bias, 1e-16 moved by 1e-16, holds only rounding and does not count; each tensor may also differ
+    by ROUNDING_FACTOR x how far the reference moved it. A reference above ROUNDING_CEILING leaves the fixed bound."""
     other = "1dev-acc4-fp64" if micro_batch_size else "1dev-reversed-fp64"
-    runs = {"1dev-fp64": Weights([2.0, 0.5], 1e-16), other: Weights([2.0 + reference, 0.5], 2e-16)}
+    runs = {
+        "1dev-fp64": Weights([2.0, 0.5], 1e-16),
+        "2dev-fp64": Weights([2.0, 0.5], 1e-16),
+        other: Weights([2.0 + reference, 0.5], 2e-16),
+    }
     bound = fp64_bound(runs, {"micro_batch_size": micro_batch_size})
     assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
     assert bound.at_rounding == pytest.approx(at_rounding, rel=1e-6)
+    own = {"w": ROUNDING_FACTOR * reference, "bias": ROUNDING_FACTOR * 1e-16} if at_rounding else {}
+    assert bound.own == pytest.approx(own, rel=1e-6)
     assert BOUNDS["cpu", "64-true"] == 1e-12 and ROUNDING_CEILING < 2e-6
 
 
-@pytest.mark.parametrize(
-    ("reference", "max_rel"),
-    [
-        (4e-5, 2e-4),  # under the fixed float32 bound: the fixed bound
-        (2e-3, ROUNDING_FACTOR * 1e-3),  # a GroupNorm CNN's float32 rounding: 5 x it
-    ],
-)
-def test_fp32_bound_is_a_factor_of_the_models_float32_rounding(reference, max_rel):
-    """The float32 check's bound comes from float32's own reference run (w moves from 2.0 by `reference`); a bias
-    the optimizer moves only by rounding (AdamW turns no gradient into steps of lr) is at rounding level."""
-    runs = {"1dev-fp32": Weights([2.0, 0.5], 1e-4), "1dev-acc4-fp32": Weights([2.0 + reference, 0.5], 3e-4)}
-    bound = weights_bound(runs, {"micro_batch_size": 8}, "fp32")
-    assert bound.max_rel == pytest.approx(max_rel, rel=1e-6)
-    assert bound.at_rounding == pytest.approx(ROUNDING_FACTOR * max(reference, 2e-4), rel=1e-6)
-    assert BOUNDS["cpu", "32-true"] == 2e-4
+F64 = functools.partial(torch.tensor, dtype=torch.float64)
 
 
-def test_fp32_check_skips_when_float32_rounding_alone_moves_weights_past_the_ceiling():
-    """A transformer's float32 weights move by max_rel 1-1.7 with summation order alone: the float32 comparison
-    skips, naming that figure, rather than fail on rounding or pass on a meaningless bound."""
-    runs = {"1dev-fp32": Weights([2.0, 0.5], 0.3), "1dev-reversed-fp32": Weights([2.0, 0.5 * 2.2], 0.3)}
-    with pytest.raises(pytest.skip.Exception, match=r"max_rel 0\.3, over 0\.01: .* float64 is the check"):
-        weights_bound(runs, {"micro_batch_size": None}, "fp32")
-    assert FLOAT32_CEILING == 1e-2
+def test_elements_without_gradient_are_left_out_and_each_tensor_has_its_own_reference(tmp_path):
+    """A fused query-key-value bias whose key slice got no gradient (its peak 1e-20 of the model's largest) is judged
+    on its query and value slices: the key slice's rounding, 1e-12 apart, passes; a difference in the query slice
+    fails. A tensor that got no gradient at all passes as rounding; a tensor may differ by ROUNDING_FACTOR x how far
+    the reference moved it, above the model's max_rel bound."""
+    (tmp_path / "one" / "probe").mkdir(parents=True)
+    (tmp_path / "two" / "probe").mkdir(parents=True)
+    peaks = {"qkv.bias": F64([0.5, 0.4, 1e-21, 2e-21, 0.3, 0.2]), "k.bias": F64([1e-22]), "w": F64([1.0, 1.0])}
+    for run in ("one", "two"):
+        torch.save(peaks, tmp_path / run / "probe" / "gradient-peaks.pt")
+
+    class Run:
+        def __init__(self, root, weights):
+            self.root, self._weights = root, weights
+
+        def weights(self):
+            return self._weights
+
+    one = {"qkv.bias": F64([0.1, 0.2, 1e-13, 0, 0.3, 0.4]), "k.bias": F64([1e-13]), "w": F64([2.0, 1.0])}
+    reordered = {**one, "w": F64([2.0, 1.0 + 4e-13])}  # the model's rounding: max_rel 2e-13, w's own 4e-13
+    runs = {
+        "1dev-fp64": Run(tmp_path / "one", one),
+        "2dev-fp64": Run(tmp_path / "two", one),
+        "1dev-acc4-fp64": Run(tmp_path / "ref", reordered),
+        "2dev-fp64-again": Run(tmp_path / "again", one),  # identical runs, bit-identical: no allowance
+    }
+    bound = fp64_bound(runs, {"micro_batch_size": 8})
+    assert bound.no_gradient["qkv.bias"].tolist() == [False, False, True, True, False, False]
+    assert bound.max_rel == 1e-12 and bound.own["w"] == pytest.approx(ROUNDING_FACTOR * 4e-13)
+    key_rounding = {**one, "qkv.bias": F64([0.1, 0.2, 2e-12, -1e-12, 0.3, 0.4]), "k.bias": F64([3e-13])}
+    assert_within(one, key_rounding, bound, "key slice")
+    assert_within(one, {**one, "w": F64([2.0, 1.0 + 1.9e-12])}, bound, "w within 5 x its own reference")
+    with pytest.raises(AssertionError, match=r"qkv.bias: max_abs 1e-09, .*OVER.*2 of 6 elements without gradient"):
+        assert_within(one, {**one, "qkv.bias": F64([0.1 + 1e-9, 0.2, 0, 0, 0.3, 0.4])}, bound, "query slice")
+    with pytest.raises(AssertionError, match=r"w: max_abs 2.1e-12"):
+        assert_within(one, {**one, "w": F64([2.0, 1.0 + 2.1e-12])}, bound, "w over its own")
+    verdicts = {v.diff.name: v for v in judge(one, key_rounding, bound)}
+    assert verdicts["k.bias"].rounding.startswith("no gradient") and not verdicts["k.bias"].over
+
+
+def test_a_float64_failure_at_rounding_scale_asks_how_far_identical_runs_end_apart():
+    """Over the bound by no more than rounding (max_rel <= ROUNDING_CEILING), the check measures how far two identical
+    runs end apart (`noise`) and allows ROUNDING_FACTOR x that per tensor; a larger difference fails at once, without
+    starting that run; bit-identical runs add nothing."""
+    one = {"w": F64([1.0, 2.0]), "b": F64([0.5])}
+    asked = []
+
+    def noise(per_tensor):
+        return lambda: asked.append(1) or Noise(per_tensor, "2dev-fp64 run again: ...")
+
+    apart = {**one, "w": F64([1.0, 2.0 + 4e-12])}  # max_rel 2e-12: over the fixed 1e-12
+    assert_within(one, apart, Bound(1e-12, noise=noise({"w": 1e-12, "b": 0.0})), "noisy runs")
+    assert asked == [1]
+    with pytest.raises(AssertionError, match=r"run to run: 2dev-fp64 run again"):
+        assert_within(one, apart, Bound(1e-12, noise=noise({"w": 0.0, "b": 0.0})), "bit-identical runs")
+    with pytest.raises(AssertionError, match=r"w: max_abs 0.002"):
+        assert_within(one, {**one, "w": F64([1.0, 2.002])}, Bound(1e-12, noise=lambda: pytest.fail("asked")), "bug")
 
 
 def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path, capsys):
@@ -177,6 +229,57 @@ def test_compare_command_passes_tensors_at_rounding_level_with_abs_tol(tmp_path,
     assert compare_main([a, b, "--rel-tol", "1e-12", "--abs-tol", "1e-15"]) == 0
     out = capsys.readouterr().out
     assert "bias: max_abs 2e-16, max_rel 2 (at rounding level)" in out and "PASS: worst max_rel 0 " in out
+
+
+def write_run(root: Path, tensorboard: dict[str, float] | None = None, csv: dict[str, float] | None = None) -> str:
+    """A run folder as the parity command reads it: equal weights, and logged values at steps 0 and 1 (the second
+    value given) in a TensorBoard file (stored as float32) and/or a metrics.csv (as written)."""
+    (root / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}}, root / "checkpoints" / "last.ckpt")
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(root)) as writer:
+            for tag, value in tensorboard.items():
+                writer.add_scalar(tag, 1.0, 0)
+                writer.add_scalar(tag, value, 1)
+    if csv:
+        rows = [f"{step},{value!r}" for step, value in ((0, 1.0), (1, next(iter(csv.values()))))]
+        (root / "metrics.csv").write_text(f"step,{next(iter(csv))}\n" + "\n".join(rows) + "\n")
+    return str(root)
+
+
+def test_compare_command_judges_tensorboard_values_at_float32s_resolution(tmp_path, capsys):
+    """TensorBoard stores float32: two float64 runs whose epoch loss is one float32 step apart (issue 43: 1.19e-7 at
+    a value near 2) pass at --rel-tol 1e-12; a value 1e-4 apart fails. metrics.csv, when both runs have the tag
+    there, is read instead, at full precision: 1e-10 apart fails at 1e-12; the output says where each came from."""
+    step = 2.0 - 1.1920928955078125e-07  # the float32 just below 2
+    one = write_run(tmp_path / "one", tensorboard={"train/loss_epoch": 2.0})
+    two = write_run(tmp_path / "two", tensorboard={"train/loss_epoch": step})
+    far = write_run(tmp_path / "far", tensorboard={"train/loss_epoch": 2.0001})
+    assert compare_main([one, two, "--rel-tol", "1e-12"]) == 0
+    assert "(0 from metrics.csv, 1 from TensorBoard; float32 values" in capsys.readouterr().out
+    assert compare_main([one, far, "--rel-tol", "1e-12"]) == 1
+    assert "train/loss_epoch: max_abs 9.99e-05, max_rel 4.99e-05 (OVER" in capsys.readouterr().out
+    full = write_run(tmp_path / "full", tensorboard={"val/loss": 2.0}, csv={"val/loss": 1.5})
+    near = write_run(tmp_path / "near", tensorboard={"val/loss": 2.0}, csv={"val/loss": 1.5 + 1e-10})
+    assert compare_main([full, near, "--rel-tol", "1e-12"]) == 1
+    assert "(1 from metrics.csv, 0 from TensorBoard;" in capsys.readouterr().out
+
+
+def test_compare_command_ends_runs_that_cannot_be_compared_with_one_error_line(tmp_path, capsys):
+    """Runs whose logged tags differ, or a folder without the checkpoint, end in one `error:` line and exit 2, not a
+    traceback."""
+    one = write_run(tmp_path / "one", tensorboard={"train_loss": 2.0, "val_loss": 1.0})
+    other = write_run(tmp_path / "other", tensorboard={"train/loss": 2.0})
+    assert compare_main([one, other]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the runs logged different tags: only in a ['train_loss'")
+    assert compare_main([one, str(tmp_path / "nothing")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {tmp_path / 'nothing'} is not a directory (a run's lightning_logs/version_N)\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -237,6 +340,101 @@ def test_a_failed_run_fails_only_the_tests_that_read_it():
     assert runs["good"] == 1 and runs["from-good"] == 2
     with pytest.raises(AssertionError, match="^starts from a run that failed: run bad exited 1"):
         runs["from-bad"]
+
+
+def test_a_run_starts_with_the_runs_of_its_wave_the_selected_tests_read():
+    """Asking for a run starts it with the runs of its wave the session's tests declared (`want`), not the whole
+    wave; a run of a later wave that reads an earlier one starts that one first; a run asked for later starts then."""
+    started: list[str] = []
+
+    def job(name: str):
+        return lambda: started.append(name) or name
+
+    first = Wave(("a1", "a2", "a3"), lambda runs: {n: job(n) for n in ("a1", "a2", "a3")})
+
+    def second_jobs(runs: Waves) -> dict:
+        runs["a1"]  # the jobs start from it, as the one-step runs from the 1-device float64 run's states
+        return {"b1": job("b1"), "b2": job("b2")}
+
+    second = Wave(("b1", "b2"), second_jobs)
+    runs = Waves(Path("."), [first, second])
+    runs.want({"a1", "b2"})
+    runs["b2"]
+    assert started == ["a1", "b2"] and runs.started == ["a1", "b2"]
+    assert runs["a2"] == "a2" and started == ["a1", "b2", "a2"]  # not declared: started when asked for, alone
+    everything = Waves(Path("."), [Wave(("c1", "c2"), lambda runs: {"c1": job("c1"), "c2": job("c2")})])
+    everything["c1"]  # nothing declared: the whole wave
+    assert everything.started == ["c1", "c2"]
+
+
+def test_every_guarantee_that_reads_runs_declares_them():
+    """Each test of the suite that reads the shared runs declares which (runs.reads), so that selecting it starts
+    those alone; the schedule's test, selected alone, reads its 2 runs and the first wave's 3, not the 14 of every
+    wave it used to start."""
+    from ddpkit.testing import guarantees
+
+    class Item:
+        def __init__(self, function, params=None):
+            self.function, self.fixturenames = function, list(inspect.signature(function).parameters)
+            self.callspec = type("CallSpec", (), {"params": params or {}})()
+
+    checks = [getattr(guarantees, name) for name in guarantees.__all__]
+    undeclared = [
+        c.__name__ for c in checks if "cpu_runs" in inspect.signature(c).parameters and not hasattr(c, "ddpkit_reads")
+    ]
+    assert not undeclared
+    steps = plan({"steps_per_epoch": 4, "global_batch_size": 32, "takes_micro_batch_size": True, "stages": []})
+    schedule = Item(guarantees.test_lr_schedule_is_the_same_on_1_and_2_devices)
+    assert runs_read([schedule], steps) == {"1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", "1dev-acc4-fp64"}
+    accumulation = Item(guarantees.test_gradient_accumulation_keeps_the_global_batch, {"run": "2dev-acc2-fp64"})
+    eval_test = Item(guarantees.test_eval_metrics_count_each_sample_once, {"stage": "test"})
+    assert runs_read([accumulation, eval_test], steps) == {
+        "2dev-acc2-fp64", "1dev-fp64", "2dev-fp64", "1dev-acc4-fp64", "test-1dev", "test-2dev"
+    }  # fmt: skip
+    assert runs_read([Item(lambda cpu_runs: None)], steps) is None  # undeclared: whole waves
+
+
+def step(grad: list[float], before: list[float], after: list[float], loss: float, bias_grad: float = 0.0) -> dict:
+    """One one-step record: a weight `w` (float32, as in float32 and bf16-mixed runs; float64 for the exact step is
+    the same numbers), a `bias` that gets no gradient, and the logged loss."""
+    f32 = functools.partial(torch.tensor, dtype=torch.float32)
+    return {
+        "before": {"w": f32(before), "bias": f32([0.0])},
+        "grads": [{"w": f32(grad), "bias": f32([bias_grad])}],
+        "after": {"w": f32(after), "bias": f32([bias_grad])},
+        "logged": {"train/loss": loss},
+    }
+
+
+def test_one_step_bounds_come_from_the_exact_step_at_least_one_unit_of_the_precision():
+    """2 devices' gradient is judged against how far 1 device's is from the float64 step's (at least bf16's eps x its
+    norm): bf16's own rounding passes, half the gradient (a summed loss) fails; an element whose gradient is
+    rounding's in both runs is left out of the weights after the step (AdamW steps by its sign); a tensor without
+    gradient in float64 is rounding; a logged value differing past its bound fails; the first step, from each run's
+    own initialization, is not judged."""
+    exact = {k: step([1.0, 0.5, 1e-6], [0.0] * 3, [-1e-3, -1e-3, -1e-3], 2.0) for k in (0, 1)}
+    one = {k: step([1.0, 0.5, 2e-6], [0.0] * 3, [-1e-3, -1e-3, -1e-3], 2.0, bias_grad=1e-9) for k in (0, 1)}
+    rounded = {
+        k: step([1.0 + 2**-8, 0.5, -2e-6], [0.0] * 3, [-1e-3, -1e-3, 1e-3], 2.0, bias_grad=-3e-9) for k in (0, 1)
+    }
+    halved = {k: step([0.5, 0.25, 1e-6], [0.0] * 3, [-1e-3, -1e-3, -1e-3], 2.0) for k in (0, 1)}
+    no_gradient = {"bias": torch.tensor([True]), "w": torch.tensor([False, False, False])}
+
+    def verdicts(two, precision="bf16"):
+        judged = step_verdicts(one, two, exact, precision, no_gradient)
+        assert {k for k, _, _ in judged} == {1}
+        return {(what, v.name): v for _, what, v in judged}
+
+    passed = verdicts(rounded)
+    assert not any(v.over for v in passed.values())
+    bf16 = torch.finfo(torch.bfloat16).eps
+    assert passed["gradient", "w"].bound == pytest.approx(ONE_STEP_FACTOR * bf16 * (1 + 0.25 + 4e-12) ** 0.5)
+    assert passed["after", "w"].note == "1 of 3 elements with rounding-level gradients left out"  # the third's sign
+    assert passed["gradient", "bias"].rounding == "no gradient in float64"
+    assert verdicts(halved)["gradient", "w"].over and verdicts(rounded, "fp32")["gradient", "w"].over
+    logged = verdicts({1: {**rounded[1], "logged": {"train/loss": 2.01}}})["logged", "train/loss"]
+    close = verdicts({1: {**rounded[1], "logged": {"train/loss": 2.0 + 4e-7}}})["logged", "train/loss"]
+    assert logged.over and not close.over
 
 
 def test_a_run_whose_port_was_taken_starts_again(tmp_path):

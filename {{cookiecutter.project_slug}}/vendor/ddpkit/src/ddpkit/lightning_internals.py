@@ -25,7 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every Batc
 from torch.nn.parallel import DistributedDataParallel
 
 # (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
-# `_timeout` and `_ddp_comm_hook`, a ThroughputMonitor's `_throughputs`) are tested through their helpers.
+# `_timeout`, `_ddp_comm_hook` and `_ddp_kwargs`, a ThroughputMonitor's `_throughputs`) are tested through their
+# helpers.
 PRIVATE_NAMES: list[tuple[Any, str]] = [
     (LightningCLI, "_run_subcommand"),
     (_TrainingEpochLoop, "_on_before_fetch"),
@@ -83,6 +84,12 @@ def ddp_timeout(strategy: DDPStrategy) -> timedelta | None:
 
 def set_ddp_timeout(strategy: DDPStrategy, timeout: timedelta) -> None:
     strategy._timeout = timeout
+
+
+def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
+    """The arguments a DDPStrategy passes on to torch's DistributedDataParallel (`find_unused_parameters`, ...), as
+    given to it or by the registered name it was built from (`ddp_find_unused_parameters_true`)."""
+    return dict(strategy._ddp_kwargs)
 
 
 def ddp_comm_hook(strategy: Any) -> Callable | None:

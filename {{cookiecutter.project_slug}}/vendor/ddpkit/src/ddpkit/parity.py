@@ -18,6 +18,7 @@ gradient (a key projection's bias) holds only rounding, and its max_rel means no
 import argparse
 import csv
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,10 @@ ROUNDING_CEILING = 1e-8
 # 0.16-0.24 (BatchNorm CNN). Past 1e-2 a float32 comparison cannot tell a DDP bug from rounding: the check skips
 # and float64 is the judge. 1 vs 2 devices needed at most 1.21 x the reference (measure_rounding.py --fp32).
 FLOAT32_CEILING = 1e-2
+# TensorBoard stores scalars as float32 (and torchmetrics keeps float32 states even in a float64 run): two values
+# equal to 1e-15 in float64 may round one float32 step apart, up to 2^-23 of the tag's largest value, and a float32
+# sum of a few values a step or two more. A float32 value is judged at no finer than this.
+FLOAT32_STORAGE = 2.5e-7
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,8 @@ def scalar_diffs(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[i
         if a[tag].keys() != b[tag].keys():
             raise ValueError(f"{tag}: logged at steps {sorted(a[tag])} vs {sorted(b[tag])}")
         steps = sorted(a[tag])
-        diffs.append(diff(tag, torch.tensor([a[tag][s] for s in steps]), torch.tensor([b[tag][s] for s in steps])))
+        values = [torch.tensor([run[tag][s] for s in steps], dtype=torch.float64) for run in (a, b)]  # as logged
+        diffs.append(diff(tag, *values))
     return worst_first(diffs)
 
 
@@ -180,14 +186,104 @@ def over_bound(diffs: list[Diff], max_rel: float, at_rounding: float = 0.0) -> l
     return [d for d in diffs if not d.max_rel <= max_rel and not d.max_abs <= at_rounding]
 
 
-def report(diffs: list[Diff], limit: int = 5, at_rounding: float = 0.0) -> str:
-    """The `limit` worst differences, one a line, for an assertion message; those at rounding level (max_abs at
-    most `at_rounding`) are marked, as they pass whatever their max_rel."""
-    lines = [f"  {d}{' (at rounding level)' if 0 < at_rounding and d.max_abs <= at_rounding else ''}" for d in diffs]
-    lines = lines[:limit]
-    if len(diffs) > limit:
-        lines.append(f"  ... and {len(diffs) - limit} more")
+def report(diffs: list[Diff], limit: int = 5, at_rounding: float = 0.0, max_rel: float | None = None) -> str:
+    """The `limit` worst differences, one a line, for an assertion message: those over `max_rel` (when given) first,
+    then the others worst first, and those at rounding level (max_abs at most `at_rounding`, which pass whatever
+    their max_rel) last, marked."""
+    rounding = [d for d in diffs if 0 < at_rounding and d.max_abs <= at_rounding]
+    over = over_bound(diffs, max_rel, at_rounding) if max_rel is not None else []
+    rest = [d for d in diffs if d not in over and d not in rounding]
+    lines = [f"  {d} (over {max_rel:.3g})" for d in over] + [f"  {d}" for d in rest]
+    lines += [f"  {d} (at rounding level)" for d in rounding]
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"  ... and {len(lines) - limit} more"]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One tensor (or logged tag) judged: how far apart it is, the largest max_abs its bound allows, and, for one
+    that holds only rounding (no gradient), why it passes whatever its difference."""
+
+    diff: Diff
+    bound: float
+    rounding: str = ""
+    note: str = ""  # what was left out of the comparison (elements without gradient), or where the bound came from
+
+    @property
+    def over(self) -> bool:
+        return not self.rounding and not self.diff.max_abs <= self.bound  # NaN is over
+
+    def __str__(self) -> str:
+        note = f"; {self.note}" if self.note else ""
+        if self.rounding:
+            return f"{self.diff} ({self.rounding}{note})"
+        return f"{self.diff} ({'OVER ' if self.over else ''}bound max_abs {self.bound:.3g}{note})"
+
+
+def verdict_report(verdicts: list[Verdict], limit: int = 8) -> str:
+    """The verdicts for an assertion message, one a line: those over their bound first (furthest over first), then
+    the judged ones (worst max_rel first), then those at rounding level."""
+
+    def ratio(v: Verdict) -> float:
+        return math.inf if math.isnan(v.diff.max_abs) or not v.bound else v.diff.max_abs / v.bound
+
+    over = sorted((v for v in verdicts if v.over), key=ratio, reverse=True)
+    judged = [v for v in worst_first_verdicts(verdicts) if not v.over and not v.rounding]
+    rounding = [v for v in worst_first_verdicts(verdicts) if v.rounding]
+    lines = [f"  {v}" for v in [*over, *judged, *rounding]]
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"  ... and {len(lines) - limit} more"]
+    return "\n".join(lines)
+
+
+def worst_first_verdicts(verdicts: list[Verdict]) -> list[Verdict]:
+    order = {id(d): i for i, d in enumerate(worst_first([v.diff for v in verdicts]))}
+    return sorted(verdicts, key=lambda v: order[id(v.diff)])
+
+
+def is_float32(values: list[float]) -> bool:
+    """Whether every value is a float32 number (computed or stored in float32: a float64 result is one by chance
+    about once in 2^29)."""
+    return all(torch.tensor(v, dtype=torch.float64).float().double().item() == v for v in values if math.isfinite(v))
+
+
+@dataclass(frozen=True)
+class Logged:
+    """A run pair's logged scalars, each tag from the most precise record both runs have of it."""
+
+    diffs: list[Diff]
+    source: dict[str, str]  # tag: "metrics.csv" or "TensorBoard"
+    float32: set[str]  # the tags whose values are float32 (TensorBoard's, or computed in float32)
+
+
+def logged_scalars(a: Path, b: Path) -> Logged:
+    """Every tag the two runs logged, compared at the precision it was stored: from metrics.csv where both runs have
+    the tag there (full precision), else from the TensorBoard file (float32). A tag or step in one run only is an
+    error (ValueError)."""
+    tb_a, tb_b, csv_a, csv_b = read_scalars(a), read_scalars(b), read_csv_scalars(a), read_csv_scalars(b)
+    tags_a, tags_b = tb_a.keys() | csv_a.keys(), tb_b.keys() | csv_b.keys()
+    if tags_a != tags_b:
+        raise ValueError(f"the runs logged different tags: {_only_in(dict.fromkeys(tags_a), dict.fromkeys(tags_b))}")
+    diffs, source, float32 = [], {}, set()
+    for tag in sorted(tags_a):
+        both_csv = tag in csv_a and tag in csv_b
+        x, y = (csv_a[tag], csv_b[tag]) if both_csv else (tb_a.get(tag, {}), tb_b.get(tag, {}))
+        if not x or not y:  # in metrics.csv in one run, in TensorBoard in the other only
+            raise ValueError(f"{tag}: logged to metrics.csv in one run and to TensorBoard only in the other")
+        diffs += scalar_diffs({tag: x}, {tag: y})
+        source[tag] = "metrics.csv" if both_csv else "TensorBoard"
+        if not both_csv or is_float32([*x.values(), *y.values()]):
+            float32.add(tag)
+    return Logged(worst_first(diffs), source, float32)
+
+
+def check_run(run: Path, checkpoint: str) -> None:
+    """A run directory with its checkpoint, else an error (ValueError) that says which is missing."""
+    if not run.is_dir():
+        raise ValueError(f"{run} is not a directory (a run's lightning_logs/version_N)")
+    if not (run / checkpoint).is_file():
+        raise ValueError(f"{run} has no {checkpoint} (--checkpoint names the checkpoint inside each run)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,35 +302,56 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="a run of A's training with its sums in another order (1 device, --data.micro_batch_size a quarter of "
         "the global batch): the bounds become at least ROUNDING_FACTOR x how far that moved A's weights and logged "
-        "values, and tensors within as much are at rounding level, as the guarantee suite judges",
+        "values, each tensor may differ by ROUNDING_FACTOR x how far it moved that tensor, and tensors within as "
+        "much as it moved any are at rounding level, as the guarantee suite judges",
     )
     args = parser.parse_args(argv)
+    try:
+        return compare(args)
+    except ValueError as error:  # runs that cannot be compared: different tensors, tags or steps; a missing file
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def compare(args: argparse.Namespace) -> int:
+    for run in (args.a, args.b, *([args.reference] if args.reference else [])):
+        check_run(run, args.checkpoint)
     a = load_weights(args.a / args.checkpoint)
     weights = weight_diffs(a, load_weights(args.b / args.checkpoint))
-    scalars = scalar_diffs(read_scalars(args.a), read_scalars(args.b))
-    csv_a, csv_b = read_csv_scalars(args.a), read_csv_scalars(args.b)
-    csv_scalars = scalar_diffs(csv_a, csv_b) if csv_a or csv_b else []  # a CSVLogger's full-precision values
-    weights_tol, scalars_tol, abs_tol = args.rel_tol, args.rel_tol, args.abs_tol
+    logged = logged_scalars(args.a, args.b)
+    weights_tol, scalars_tol, abs_tol, own = args.rel_tol, args.rel_tol, args.abs_tol, {}
     if args.reference:
-        ref = rounding_reference(a, load_weights(args.reference / args.checkpoint), ceiling_of(a))
+        reordered_weights = load_weights(args.reference / args.checkpoint)
+        ref = rounding_reference(a, reordered_weights, ceiling_of(a))
         if ref.max_rel <= ceiling_of(a):
-            reordered = scalar_diffs(read_scalars(args.a), read_scalars(args.reference))
-            ref_csv = read_csv_scalars(args.reference)
-            reordered += scalar_diffs(csv_a, ref_csv) if csv_a and ref_csv else []
+            reordered = logged_scalars(args.a, args.reference).diffs
             weights_tol = max(weights_tol, ROUNDING_FACTOR * ref.max_rel)
             scalars_tol = max(scalars_tol, ROUNDING_FACTOR * worst_first(reordered)[0].max_rel if reordered else 0.0)
             abs_tol = max(abs_tol, ROUNDING_FACTOR * ref.max_abs)
+            own = {d.name: ROUNDING_FACTOR * d.max_abs for d in weight_diffs(a, reordered_weights)}
             print(f"reference: reordering moved weights by max_rel {ref.max_rel:.3g}, max_abs {ref.max_abs:.3g}")
         else:
             print(f"reference: reordering moved weights by max_rel {ref.max_rel:.3g}: not rounding, not used")
-    print(f"weights, worst of {len(weights)} tensors:\n{report(weights, at_rounding=abs_tol)}")
-    print(f"logged scalars, worst of {len(scalars)} tags:\n{report(scalars)}")
-    if csv_scalars:
-        print(f"metrics.csv, worst of {len(csv_scalars)} columns:\n{report(csv_scalars)}")
-    judged = [(d, weights_tol) for d in weights if not d.max_abs <= abs_tol]  # at rounding level: not judged
-    judged += [(d, scalars_tol) for d in scalars + csv_scalars]
-    over = [d for d, tol in judged if not d.max_rel <= tol]  # NaN is over
-    worst = worst_first(over or [d for d, _ in judged])
+    verdicts = [
+        Verdict(d, max(weights_tol * a[d.name].abs().max().item() if a[d.name].numel() else 0.0, own.get(d.name, 0)),
+                "at rounding level" if 0 < abs_tol and d.max_abs <= abs_tol else "")
+        for d in weights
+    ]  # fmt: skip
+    tags = [
+        Verdict(d, (max(scalars_tol, FLOAT32_STORAGE) if d.name in logged.float32 else scalars_tol) * d.max_abs
+                / d.max_rel if d.max_rel else 0.0)
+        for d in logged.diffs
+    ]  # fmt: skip
+    print(f"weights, worst of {len(weights)} tensors:\n{verdict_report(verdicts, limit=5)}")
+    counts = [sum(s == name for s in logged.source.values()) for name in ("metrics.csv", "TensorBoard")]
+    sources = [f"{n} from {name}" for n, name in zip(counts, ("metrics.csv", "TensorBoard"), strict=True)]
+    print(
+        f"logged scalars, worst of {len(tags)} tags ({', '.join(sources)}; float32 values, TensorBoard's and those "
+        f"computed in float32, judged at no less than {FLOAT32_STORAGE:g}):\n{verdict_report(tags, limit=5)}"
+    )
+    judged = [v for v in verdicts + tags if not v.rounding]
+    over = [v for v in judged if v.over]
+    worst = worst_first([v.diff for v in (over or judged)])
     ok = not over
     bounds = f"--rel-tol {args.rel_tol:g}" if not args.reference else f"bounds {weights_tol:.3g} (weights), "
     bounds += f"{scalars_tol:.3g} (logged)" if args.reference else ""

@@ -13,6 +13,6 @@ selection is two files in its tests/:
 The project is pytest's rootdir (where pyproject.toml is): its main.py is run, in real processes, on 1 and 2
 CPU devices, under torchrun, SLURM and sharded (runs.py), and the checks (check_*.py) compare the runs.
 A test of the suite is selected like any of the project's own, by its node id:
-    pytest "tests/test_guarantees.py::test_weights_match_1_vs_2_devices[fp64]"
+    pytest "tests/test_guarantees.py::test_weights_match_1_vs_2_devices"
 and PARITY_ARGS adds arguments to every run: PARITY_ARGS="--model my_model.Other" pytest tests/test_guarantees.py
 """

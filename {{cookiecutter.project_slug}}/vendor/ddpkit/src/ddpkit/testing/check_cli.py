@@ -11,7 +11,7 @@ import yaml
 
 from ..parity import read_csv_scalars, read_scalars
 from ..record import DoctorRecord
-from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint
+from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint, reads
 
 
 def defined(configured: dict, *commands: str) -> list[str]:
@@ -30,6 +30,7 @@ def defined(configured: dict, *commands: str) -> list[str]:
     return [c for c in commands if c not in missing]
 
 
+@reads("1dev-fp64")
 def test_fit_writes_logs_config_and_checkpoints_under_root(cpu_runs):
     """One version dir with TensorBoard events, config.yaml, hparams.yaml, best and last checkpoints (besides the
     epoch checkpoints the suite adds)."""
@@ -42,6 +43,7 @@ def test_fit_writes_logs_config_and_checkpoints_under_root(cpu_runs):
     assert len(ckpts) == 2 and ckpts[1] == "last.ckpt" and ckpts[0].startswith("best-epoch")
 
 
+@reads("1dev-fp64")
 def test_an_added_logger_writes_into_the_same_run_directory(cpu_runs):
     """`--trainer.logger+=CSVLogger` adds to config.yaml's TensorBoard, not replaces it: both write every tag into
     the one version_0 (a logger without save_dir writes under --trainer.default_root_dir)."""
@@ -67,6 +69,7 @@ def tensorboard_hparams(version) -> list[dict]:
     return sessions
 
 
+@reads("1dev-fp64")
 def test_the_run_config_reaches_every_logger(cpu_runs):
     """The run's whole configuration, as saved in config.yaml, is logged to TensorBoard (its hparams) and to the
     CSV logger (hparams.yaml) under "config", next to the model's own arguments."""
@@ -76,6 +79,7 @@ def test_the_run_config_reaches_every_logger(cpu_runs):
     assert saved in [session.get("config") for session in tensorboard_hparams(version)]
 
 
+@reads("1dev-fp64")
 def test_learning_rate_is_logged_at_every_step_the_logger_writes(cpu_runs, global_batch):
     """The CLI adds a LearningRateMonitor to fit: an lr-<optimizer> tag at each of the logger's steps (every
     step: the shared runs log every step)."""
@@ -87,6 +91,7 @@ def test_learning_rate_is_logged_at_every_step_the_logger_writes(cpu_runs, globa
 COMMANDS = ("validate", "test", "predict")
 
 
+@reads("{evaluations}")
 def test_a_run_without_logger_leaves_the_projects_config_alone(cpu_runs, configured):
     """With `--trainer.logger false` Lightning would save the run's config as <default_root_dir>/config.yaml,
     over the project's own when run from the project directory: nothing is saved without a logger."""
@@ -95,6 +100,7 @@ def test_a_run_without_logger_leaves_the_projects_config_alone(cpu_runs, configu
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+@reads("1dev-fp64", "{command}-1dev")
 def test_other_subcommands_run_from_a_checkpoint(cpu_runs, configured, command):
     """validate, test and predict load the trained weights and finish; predict loads the file it was given and
     writes one prediction per sample of the predict set into predictions.pt in the run's directory."""
@@ -110,6 +116,7 @@ def test_other_subcommands_run_from_a_checkpoint(cpu_runs, configured, command):
             assert written in out and (run.root / "predictions.pt").is_file(), out[-3000:]
 
 
+@reads("1dev-fp64", "{evaluations}")
 def test_ckpt_path_last_and_best_name_the_file_they_load(cpu_runs, configured):
     """`--ckpt_path last` is the run's last.ckpt and `best` the best one its checkpoint callback kept (the file
     the copied run's last.ckpt records, in the run it was copied from); each command says which file it loaded
@@ -124,6 +131,7 @@ def test_ckpt_path_last_and_best_name_the_file_they_load(cpu_runs, configured):
         assert f"test: --ckpt_path best is {best}\n" in cpu_runs["test-1dev"].output()
 
 
+@reads("1dev-fp64", "continue")
 def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(cpu_runs):
     """After a finished 2-epoch run, `fit --ckpt_path last --trainer.max_epochs 3` trains one more epoch from it,
     logging and checkpointing into the same version directory (Lightning's own `last` would start from scratch
@@ -136,6 +144,7 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(cpu_runs):
     assert continued.global_step() == before * 3 // 2
 
 
+@reads("1dev-fp64")
 def test_doctor_reports_by_default_without_timing_the_all_reduce(cpu_runs):
     """The default fit ends with the doctor's report; the costly comm hook is off unless asked for."""
     run = cpu_runs["1dev-fp64"]

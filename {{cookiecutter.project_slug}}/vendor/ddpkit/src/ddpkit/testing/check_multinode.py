@@ -9,10 +9,10 @@ import re
 
 import torch
 
-from ..parity import max_abs
-from .check_parity import assert_within, fp64_bound
+from ..parity import ROUNDING_FACTOR, max_abs
+from .check_parity import Bound, assert_within, fp64_bound, no_gradient, run_to_run
 from .fake_cluster import SLURM_JOB_ID, last_weights
-from .runs import comparable
+from .runs import comparable, reads
 
 
 def probes(text: str) -> list[str]:
@@ -35,11 +35,18 @@ def assert_same_weights(weights: dict[str, torch.Tensor], cpu_runs, global_batch
     """1 device's weights within the float64 bound the model's own rounding sets (check_parity.fp64_bound), and 2
     devices' under Lightning's launcher bit for bit: the same 2 ranks sum the same gradients in the same order,
     whichever launcher started them (both jobs measured 0.0 from it, and 2.1e-16 from 1 device: digits,
-    2026-12-02, docs/measurements.md)."""
+    2026-12-02, docs/measurements.md). Where two identical 2-device runs are not bit-identical, within
+    ROUNDING_FACTOR x how far apart they end (check_parity.run_to_run)."""
     assert_within(reference(cpu_runs, global_batch), weights, fp64_bound(cpu_runs, steps), f"{name} vs 1dev")
-    assert max_abs(weights, reference(cpu_runs, global_batch, devices=2)) == 0.0
+    two = reference(cpu_runs, global_batch, devices=2)
+    if max_abs(weights, two) != 0.0:
+        noise = run_to_run(cpu_runs, no_gradient(cpu_runs))
+        own = {n: ROUNDING_FACTOR * v for n, v in noise.per_tensor.items()}
+        bound = Bound(0.0, why=f"{ROUNDING_FACTOR:g} x run to run: {noise.why}", own=own)
+        assert_within(two, weights, bound, f"{name} vs 2dev (bit-identical expected unless identical runs differ)")
 
 
+@reads("torchrun-nodes", "1dev-fp64", "2dev-fp64", "{reference}")
 def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
     """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost) matches 1 device, and 2
     devices bit for bit."""
@@ -54,6 +61,7 @@ def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, globa
     )
 
 
+@reads("slurm-requeue", "1dev-fp64", "2dev-fp64", "{reference}")
 def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
     """cluster/slurm.sbatch under a 2-node SLURM job's variables: Lightning takes ranks from SLURM in the job and
     in its requeued run, and the requeued run, resumed mid-epoch, ends with 1 device's weights."""
@@ -66,6 +74,7 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, 
     assert_same_weights(last_weights(job.root, total_steps(global_batch)), cpu_runs, global_batch, steps, "SLURM job")
 
 
+@reads("slurm-requeue")
 def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(cpu_runs, global_batch):
     """SIGUSR1 (SLURM, before the time limit): hpc_ckpt_1.ckpt and `scontrol requeue`; the rerun resumes from it
     and finishes the run (a config with its own callbacks list keeps the requeue callback)."""

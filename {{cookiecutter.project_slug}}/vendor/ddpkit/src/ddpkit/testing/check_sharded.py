@@ -6,7 +6,7 @@ import torch
 from ..parity import weight_diffs
 from ..sharding import shards_on_cpu
 from .fake_cluster import last_weights
-from .runs import comparable
+from .runs import comparable, reads
 
 # max |a - b| / max |a| of the worst tensor: ModelParallelStrategy has no float64, so this is float32's 1-vs-2
 # device bound. Measured (digits, 2026-12-02): 1.95e-6, the same as 2-device DDP's float32 run against 1 device
@@ -14,6 +14,7 @@ from .runs import comparable
 SHARDED_BOUND = 2e-4
 
 
+@reads("sharded", "1dev-fp32")
 def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_runs):
     """Epoch 1 sharded over 2 processes (one checkpoint shard per rank), epoch 2 resumed from its sharded
     checkpoint on 1: DDP's float32 weights on 1 device (runs.sharded_job)."""

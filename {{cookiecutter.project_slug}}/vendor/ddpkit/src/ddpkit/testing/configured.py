@@ -14,8 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..lightning_internals import BatchNormBase
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from ..lightning_internals import BatchNormBase, ddp_kwargs
 from .helpers import project, run_main
+from .parity_probe import NoDropout, sample_keys
 
 
 def describe(*args: str) -> dict:
@@ -26,8 +32,6 @@ def describe(*args: str) -> dict:
 
 
 def _measure(args: list[str]) -> dict:
-    import lightning as L
-
     sys.path.insert(0, str(Path.cwd()))  # the project, as `python main.py` puts main.py's directory first
     from main import main
 
@@ -71,7 +75,11 @@ def _measure(args: list[str]) -> dict:
         info["test_size"] = len(data.test_set) if data.test_set is not None else 0
         data.setup("predict")
         info["predict_size"] = len(data.predict_set) if data.predict_set is not None else 0
-        info |= probe_training_step(model, data, cli.config["model"])
+        strategy = cli.trainer.strategy
+        unused_ok = (
+            ddp_kwargs(strategy).get("find_unused_parameters", False) if isinstance(strategy, DDPStrategy) else None
+        )
+        info |= probe_training_step(model, data, cli.config["model"], unused_ok, cli.config["trainer"].get("strategy"))
     return info
 
 
@@ -79,37 +87,37 @@ def _measure(args: list[str]) -> dict:
 RATE_NAMES = re.compile(r"drop|noise", re.IGNORECASE)
 
 
-def probe_training_step(model, data, model_config) -> dict:
-    """Train one batch twice from the same weights on the same batch (the sampler's seed stays fixed), with
-    torch's, Python's and NumPy's random streams seeded 0 and then 1, no dropout modules (as in the suite's runs).
+def probe_training_step(model, data, model_config, unused_ok: bool | None = None, strategy_config=None) -> dict:
+    """Train one batch twice from the same weights, no dropout modules (as in the suite's runs): the data module set
+    up and the batch loaded under the same seeds both times, then torch's, Python's and NumPy's random streams seeded
+    0 for the step of the first and 1 for the step of the second.
 
     - `steps_per_batch`: optimizer steps the batch made (the trainer's global_step: one per optimizer.step()
       call, so 2 for a GAN stepping two optimizers);
-    - `random_step`: "" when the two ends are equal bit for bit, else why 1 and N devices cannot train the same
-      weights (functional dropout, noise drawn in the step: each rank draws its own) and how to switch it off.
+    - `random_step`: "" when the two ends are equal bit for bit, or when the two batches differ (then the data, not
+      the step, changed: the ranks' data is checked by check_data.py), else why 1 and N devices cannot train the same
+      weights (functional dropout, noise drawn in the step: each rank draws its own) and how to switch it off;
+    - `unused_parameters`: "" unless a backward of the step leaves a parameter that requires a gradient without one
+      while `unused_ok` is False (the configured DDP does not look for unused parameters; None: not DDP): then
+      DDP's runs would stop at their first step, and the line says which parameters and the setting.
     """
-    import lightning as L
-    import numpy as np
-    import torch
-
-    from .parity_probe import NoDropout
-
     ends = []
     for seed in (0, 1):
-        torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
+        seed_streams(0)
         trained = copy.deepcopy(model)
+        step = OneStep(seed)
         with tempfile.TemporaryDirectory() as root:
             trainer = L.Trainer(
                 accelerator="cpu", devices=1, precision="64-true", max_epochs=1, limit_train_batches=1,
                 limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, callbacks=[NoDropout()], default_root_dir=root,
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[step], default_root_dir=root,
             )  # fmt: skip
             trainer.fit(trained, datamodule=data)
-        ends.append((trainer.global_step, trained.state_dict()))
-    (steps, first), (_, second) = ends
+        ends.append((trainer.global_step, trained.state_dict(), step))
+    (steps, first, one), (_, second, other) = ends
     changed = [k for k in first if not torch.equal(first[k], second[k])]
     random_step = ""
-    if changed:
+    if changed and one.batch == other.batch:
         given = model_config.get("init_args") if hasattr(model_config, "get") else None
         given = given.as_dict() if hasattr(given, "as_dict") else {}
         random_step = (
@@ -118,7 +126,65 @@ def probe_training_step(model, data, model_config) -> dict:
             f"so 1 and N devices cannot train the same weights: {switch_off(given)}, or draw it in the data set "
             "(the manual: vendor/ddpkit/docs/your-model.md, step 2)"
         )
-    return {"steps_per_batch": steps, "random_step": random_step}
+    unused = "" if unused_ok in (True, None) or not one.unused else unused_line(model, one, strategy_config)
+    return {"steps_per_batch": steps, "random_step": random_step, "unused_parameters": unused}
+
+
+def seed_streams(seed: int) -> None:
+    """Seed torch's, Python's and NumPy's global random streams."""
+    torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
+
+
+class OneStep(NoDropout):
+    """What probe_training_step watches in its one-batch fit: the batch's samples (the collated rows: one process,
+    one collate function), the random streams seeded `seed` when the step begins, and the parameters that require a
+    gradient but got none in some backward (a hook on each, counted from a backward's start to its end: a GAN's
+    discriminator step leaves the generator out, as DDP sees it)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.batch, self.trainable, self.unused, self.got, self.hooks = seed, None, [], [], set(), []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        named = [(name, p) for name, p in pl_module.named_parameters() if p.requires_grad]
+        self.trainable = [name for name, _ in named]
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, n=name: self.got.add(n)) for name, p in named]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.batch = sample_keys(batch)
+        seed_streams(self.seed)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss) -> None:
+        self.got = set()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.unused += [name for name in self.trainable if name not in self.got and name not in self.unused]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def unused_line(model, step, strategy_config) -> str:
+    """The one line that says which parameters get no gradient and how to have DDP look for them: the strategy alias
+    where config.yaml names the strategy by a name (`ddp`), the argument where it gives a class."""
+    names = step.unused
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    if isinstance(strategy_config, str) or strategy_config is None:
+        setting = (
+            "set `strategy: ddp_find_unused_parameters_true` under `trainer:` in config.yaml "
+            "(--trainer.strategy ddp_find_unused_parameters_true)"
+        )
+    else:
+        setting = (
+            "set `find_unused_parameters: true` in the strategy's init_args in config.yaml "
+            "(--trainer.strategy.find_unused_parameters true)"
+        )
+    return (
+        f"{type(model).__name__}'s training step leaves {len(names)} of {len(step.trainable)} parameter tensors "
+        f'without a gradient ({shown}), and DDP then stops at the first step (Lightning: "parameters that were not '
+        f'used in producing the loss"): {setting}; it costs a pass over the graph every step (the manual: '
+        "vendor/ddpkit/docs/your-model.md, step 2)"
+    )
 
 
 def switch_off(given: dict) -> str:

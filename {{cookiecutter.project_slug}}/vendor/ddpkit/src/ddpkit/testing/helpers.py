@@ -67,8 +67,9 @@ class ForkServer:
     def __init__(self) -> None:
         self.lock, self.server, self.root = threading.Lock(), None, None
 
-    def fork(self, args: list[str], cwd: Path, env: dict, log: Path, entry: str) -> int:
-        """Start `python main.py *args` (forked); return its pid, which is also its process group."""
+    def fork(self, args: list[str], cwd: Path, env: dict, log: Path, entry: str, ranks: int = 1) -> int:
+        """Start `python main.py *args` (forked; `ranks` > 1: every rank of a 1-node DDP run forked); return its pid,
+        which is also its process group."""
         with self.lock:
             if self.server is not None and self.root != project():  # imported another project's main.py
                 kill(self.server)
@@ -81,6 +82,7 @@ class ForkServer:
                 self.server = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                                env=server_env, start_new_session=True)  # fmt: skip
             request = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env, "log": str(log), "entry": entry}
+            request["ranks"] = ranks
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
             line = self.server.stdout.readline()
@@ -103,10 +105,18 @@ def alive(group: int) -> bool:
 
 
 def run_main(
-    *args: str, cwd: Path, timeout: float = 180, env: dict | None = None, log: Path | None = None, entry: str = "main"
+    *args: str,
+    cwd: Path,
+    timeout: float = 180,
+    env: dict | None = None,
+    log: Path | None = None,
+    entry: str = "main",
+    ranks: int = 1,
 ) -> subprocess.CompletedProcess:
-    """Run `python main.py *args` (forked from a process that has imported main.py once, forkserver.py); on
-    timeout kill every process it started, then fail. Returns a CompletedProcess with the output.
+    """Run `python main.py *args` (forked from a process that has imported main.py once, forkserver.py; with `ranks`
+    > 1 every rank of a 1-node DDP run is forked, as torchrun would start them, instead of Lightning's launcher
+    starting ranks 1.. as fresh processes); on timeout kill every process it started, then fail. Returns a
+    CompletedProcess with the output.
 
     The run gets its own session, so the DDP ranks it launches share one process group, and the run has
     finished when the whole group has: a hang ends with all of them killed instead of blocking the suite.
@@ -118,7 +128,7 @@ def run_main(
     rc.unlink(missing_ok=True)
     env = {"PYTHONUNBUFFERED": "1", **(env or {})}
     try:
-        pid = FORK_SERVER.fork(list(args), cwd, env, log, entry)
+        pid = FORK_SERVER.fork(list(args), cwd, env, log, entry, ranks)
         deadline = time.monotonic() + timeout
         while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
             if rc.exists() and deadline > time.monotonic() + RANKS_GRACE:

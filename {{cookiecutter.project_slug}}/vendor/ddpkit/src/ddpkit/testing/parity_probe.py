@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
+from .fingerprints import TrainSamples, dataset_fingerprint, rank_difference
+
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -37,8 +39,9 @@ def batch_len(batch: Any) -> int:
 
 
 def sample_keys(batch: Any) -> list[str]:
-    """One identity per sample: a hash of its row in every tensor of the batch. Floats are hashed as
-    float32, which holds the loaded values exactly in any run precision (64-true converts float32 up)."""
+    """One identity per sample of a collated batch, for a loader whose samples cannot be read before collation
+    (fingerprints.TrainSamples): a hash of its row in every tensor of the batch. Floats are hashed as float32, which
+    holds the loaded values exactly in any run precision (64-true converts float32 up)."""
     tensors = [t.detach().cpu() for t in leaves(batch) if t.ndim and len(t) == batch_len(batch)]
     tensors = [t.float() if t.is_floating_point() else t.long() for t in tensors]
     return [hashlib.sha1(b"".join(t[i].numpy().tobytes() for t in tensors)).hexdigest() for i in range(len(tensors[0]))]
@@ -57,6 +60,8 @@ class NoDropout(L.Callback):
         for module in pl_module.modules():
             if isinstance(module, DROPOUT):
                 module.p = 0.0
+            elif isinstance(module, nn.RNNBase):  # nn.LSTM's, nn.GRU's dropout between their layers
+                module.dropout = 0.0
 
 
 class ReversedBatches(L.Callback):
@@ -81,21 +86,52 @@ class Probe(NoDropout):
             weights and the loops' state (what the checks compare and evaluation loads): an optimizer like AdamW
             keeps two tensors per weight, so an 11M-parameter model's float64 checkpoint is 90 MB instead of 270.
         rank_weights: Save each rank's final weights to probe/fit-rank<r>.pt.
+        fingerprint_data: Before fit, write each rank's fingerprints of the data module's train and val sets to
+            probe/data-rank<r>.json; on several ranks, stop the run, every rank with the same error, where a rank's
+            differ from rank 0's (a dataset built differently per process: nothing after it could be compared).
     """
 
     def __init__(
-        self, save_at_steps: list[int] | None = None, resumable: bool = False, rank_weights: bool = False
+        self,
+        save_at_steps: list[int] | None = None,
+        resumable: bool = False,
+        rank_weights: bool = False,
+        fingerprint_data: bool = False,
     ) -> None:
         self.save_at_steps = set(save_at_steps or ())
-        self.resumable, self.rank_weights = resumable, rank_weights
+        self.resumable, self.rank_weights, self.fingerprint_data = resumable, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
         self.eval_samples = 0
+        self.samples: TrainSamples | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
+        if self.fingerprint_data and stage == "fit":
+            self.compare_data(trainer)
+
+    def compare_data(self, trainer: L.Trainer) -> None:
+        """Fingerprint this rank's datasets (fingerprints.py), write them, and fail where the ranks' differ."""
+        sets = {name: getattr(trainer.datamodule, f"{name}_set", None) for name in ("train", "val")}
+        mine = {name: dataset_fingerprint(dataset) for name, dataset in sets.items() if dataset is not None}
+        out = Path(trainer.default_root_dir) / "probe"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"data-rank{trainer.global_rank}.json").write_text(json.dumps(mine))
+        if trainer.world_size > 1:
+            every = [None] * trainer.world_size
+            torch.distributed.all_gather_object(every, mine)
+            differs = rank_difference(every)
+            if differs:
+                raise RuntimeError(differs)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.samples = TrainSamples(trainer.train_dataloader)  # before the loop first iterates it
+        self.record["samples_read"] = self.samples.read
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        self.record["batches"].setdefault(str(trainer.current_epoch), []).append(sample_keys(batch))
+        # The samples as the dataset gave them, before the collate function padded or stacked them.
+        keys = self.samples.keys(trainer.current_epoch) if self.samples is not None else None
+        keys = sample_keys(batch) if keys is None else keys
+        self.record["batches"].setdefault(str(trainer.current_epoch), []).append(keys)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         # What this rank's module logged this step (after any sync), at full precision.
@@ -138,3 +174,107 @@ class Probe(NoDropout):
         (out / f"{stage}-rank{rank}.json").write_text(json.dumps(self.record))
         if stage == "fit" and self.rank_weights:
             torch.save(pl_module.state_dict(), out / f"fit-rank{rank}.pt")
+
+
+class OneStep(NoDropout):
+    """Replays single optimizer steps from saved states: the one-step check's runs (check_onestep.py).
+
+    The run trains `batches` global batches of each of its epochs (with no validation and no checkpoints). Before
+    global batch k of the run (k = epoch x steps_per_epoch + its index in the epoch), it loads the state another run
+    saved after k global batches (`states`/step<k x steps_per_batch>.ckpt: weights, buffers such as BatchNorm's
+    statistics, optimizer and schedule) into the module and the optimizers, if there is one (global batch 0 starts
+    from this run's own initialization). Lightning then trains that batch: global batch k is the same set of samples
+    on any device count (GlobalBatchSampler), so runs on 1 and on N devices take the same step from the same state.
+    It records, per global batch, the gradients each optimizer step sees (after the all-reduce and any unscaling:
+    `on_before_optimizer_step`), the weights and buffers before and after the step, and the scalars the module
+    logged in it; rank 0 writes them to probe/onestep.pt, and every rank a digest of its weights after each step and
+    what it logged to probe/onestep-rank<r>.json (the ranks of a DDP run hold the same bits).
+
+    Args:
+        states: The folder of the saved states (another run's probe/ folder).
+        steps_per_epoch: Global batches of an epoch in the runs (the position of global batch k).
+        steps_per_batch: Optimizer steps per global batch (the saved states are named by optimizer step).
+        batches: Global batches to train in each epoch.
+    """
+
+    def __init__(self, states: str = "", steps_per_epoch: int = 1, steps_per_batch: int = 1, batches: int = 2) -> None:
+        self.states, self.steps_per_epoch, self.steps_per_batch = Path(states), steps_per_epoch, steps_per_batch
+        self.batches = batches
+        self.record: dict[int, dict] = {}
+        self.digests: dict[int, dict] = {}
+        self.current: dict | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning.pytorch.callbacks import Checkpoint
+
+        # After the data module's setup, which sets the accumulation: the loader's batches are micro-batches.
+        trainer.limit_train_batches = self.batches * trainer.accumulate_grad_batches
+        # Nothing to save: the steps' records are the result (a new list: Lightning is iterating the old one).
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, Checkpoint)]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # a later micro-batch of the same step
+        k = trainer.current_epoch * self.steps_per_epoch + batch_idx // trainer.accumulate_grad_batches
+        saved = self.states / f"step{k * self.steps_per_batch}.ckpt"
+        if k:
+            if not saved.is_file():
+                raise FileNotFoundError(f"no saved state to replay global batch {k} from: {saved}")
+            state = torch.load(saved, map_location="cpu", weights_only=False)
+            pl_module.load_state_dict(state["state_dict"])
+            for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizer_states"], strict=True):
+                optimizer.load_state_dict(optimizer_state)  # floating state cast to the parameters' dtype
+            for config, schedule in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
+                config.scheduler.load_state_dict(schedule)
+        self.current = {"before": _copy(pl_module.state_dict()), "grads": []}
+        self.record[k] = self.current
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if self.current is not None:
+            named = pl_module.named_parameters(remove_duplicate=False)  # a tied weight under each of its names
+            grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+            self.current["grads"].append(grads)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches or self.current is None:
+            return  # the step is not over
+        after = _copy(pl_module.state_dict())
+        self.current["after"] = after
+        self.current["logged"] = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        k = next(k for k, v in self.record.items() if v is self.current)
+        digests = {name: hashlib.sha1(t.numpy().tobytes()).hexdigest() for name, t in after.items()}
+        self.digests[k] = {"weights": digests, "logged": self.current["logged"]}
+        self.current = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        out = Path(trainer.default_root_dir) / "probe"
+        out.mkdir(parents=True, exist_ok=True)
+        if trainer.global_rank == 0:
+            torch.save(self.record, out / "onestep.pt")
+        (out / f"onestep-rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))
+
+
+def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: t.detach().cpu().clone() for name, t in state.items()}
+
+
+class GradientPeaks(L.Callback):
+    """Records the largest |gradient| each parameter element saw over the run (after the all-reduce), the same on
+    every rank; rank 0 writes them to probe/gradient-peaks.pt when fit ends. Elements whose peak is rounding (the
+    key's bias in attention, a bias before BatchNorm: their gradient is zero but for rounding) hold only rounding,
+    which an optimizer like AdamW turns into steps: the float64 checks leave them out (check_parity.no_gradient)."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        for name, p in pl_module.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                peak = p.grad.detach().abs()
+                self.peaks[name] = torch.maximum(self.peaks[name], peak) if name in self.peaks else peak.clone()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank == 0 and self.peaks:
+            out = Path(trainer.default_root_dir) / "probe"
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({name: t.cpu() for name, t in self.peaks.items()}, out / "gradient-peaks.pt")

@@ -11,14 +11,16 @@ import pytest
 # The suite's modules hold plain asserts; have pytest show the values in them, as in a test file. Before they
 # are imported: rewriting happens at import.
 pytest.register_assert_rewrite(
-    *(f"ddpkit.testing.{m}" for m in ("check_cli", "check_multinode", "check_parity", "check_sharded")),
+    *(f"ddpkit.testing.{m}" for m in ("check_cli", "check_data", "check_multinode", "check_onestep")),
+    *(f"ddpkit.testing.{m}" for m in ("check_parity", "check_sharded")),
     *(f"ddpkit.testing.{m}" for m in ("configured", "fake_cluster", "helpers", "runs")),
 )
 
+from .check_data import data_gate, unused_skip  # noqa: E402
 from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .helpers import set_project  # noqa: E402
-from .runs import Run, Waves, fit, main_cmd, parity_args, plan, remove_checkpoints, shared_runs  # noqa: E402
+from .runs import Run, Waves, fit, main_cmd, parity_args, plan, remove_checkpoints, runs_read, shared_runs  # noqa: E402
 
 # Set (to anything) to keep the runs' checkpoints after the session, to look into a failure.
 KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
@@ -78,15 +80,21 @@ def global_batch(configured, pytestconfig) -> dict:
 
 @pytest.fixture(scope="session")
 def steps(global_batch) -> dict:
-    """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan)."""
+    """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan). Every
+    test that needs runs skips, pointing at the check that says why, where DDP would stop at its first step."""
+    reason = unused_skip(global_batch)
+    if reason:
+        pytest.skip(reason)
     return plan(global_batch)
 
 
 @pytest.fixture(scope="session")
-def cpu_runs(tmp_path_factory, steps) -> Waves:
-    """Every CPU run the suite reads, by name, started a wave at a time on first use (runs.py). At the end of the
-    session their checkpoints are deleted (the logs stay), and the summary says how much they were."""
-    runs = shared_runs(tmp_path_factory.mktemp("runs"), steps)
+def cpu_runs(request, tmp_path_factory, steps) -> Waves:
+    """Every CPU run the suite reads, by name, each started on first use with the runs of its wave that the session's
+    selected tests read (runs.py); none after the first wave's ranks turn out to hold different data (check_data.py).
+    At the end of the session their checkpoints are deleted (the logs stay), and the summary says how much they were."""
+    runs = shared_runs(tmp_path_factory.mktemp("runs"), steps, data_gate)
+    runs.want(runs_read(request.session.items, steps))
     yield runs
     weights = runs.done["1dev-fp64"].weights() if "1dev-fp64" in runs.done else {}
     files = remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))

@@ -1,19 +1,24 @@
 """The real runs of the project's `main.py` the guarantee tests share, made once per session (`cpu_runs`).
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
-three waves; every run of a wave starts at once (each run is mostly start-up, which overlaps):
+three waves; the runs of a wave start at once (each run is mostly start-up, which overlaps):
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
-   ones. And 1 device x 4 micro-batches (or, for BatchNorm or without micro-batches, 1 device with every batch
-   reversed): summation order alone, the rounding the float64 bounds start from.
-2. 1 and 2 devices in float32 and in bf16-mixed (and each precision's own rounding reference), `torchrun`,
-   gradient accumulation on 2 devices x 2 micro-batches (not for a module that optimizes manually), two torchrun
-   "nodes", sharded training when the module shards (the library's model_parallel preset), and, when the model
+   ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
+   or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
+   bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
+2. The one-step runs: from those states, single steps on 1 and 2 devices in float32 and in bf16-mixed, and on 1
+   device in float64 (check_onestep.py); `torchrun`, gradient accumulation on 2 devices x 2
+   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
+   module shards (the library's model_parallel preset, compared with 1 device in float32), and, when the model
    takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
 3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
    the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
    module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
    is signalled, requeued and resumed.
-A wave starts when a test first asks for one of its runs, so `pytest -k ...` starts only the waves it reads.
+And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
+(`2dev-fp64-again`): how far two identical runs end apart (check_parity.run_to_run).
+A run starts when a test first asks for it, together with the runs of its wave that the session's selected tests
+read (their `reads` declarations), so `pytest -k ...` starts only the runs it reads.
 The sizes and steps come from the configured data module and model (configured.py); steps are counted in global
 batches, and Lightning's global_step is `steps_per_batch` times that (a GAN stepping two optimizers: 2).
 
@@ -102,6 +107,10 @@ def plan(configured: dict) -> dict:
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
+        # The one-step check's points: global batches 1, n and n + 1 (0 is each run's own initialization), and the
+        # global batches its runs train in each of their 2 epochs: 0 and 1 (0 alone with a 1-batch epoch).
+        "step_points": sorted({1, n, n + 1}),
+        "step_batches": min(2, n),
     }
 
 
@@ -133,12 +142,20 @@ def schedule_args(steps: dict) -> list[str]:
     return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
-def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = False) -> list[str]:
+def run_args(
+    steps: dict,
+    resumed_at: int | None = None,
+    rank_weights: bool = False,
+    saves: tuple[int, ...] = (),
+    fingerprints: bool = False,
+) -> list[str]:
     """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
     no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
-    their size), unless other runs resume from it at global batch `resumed_at`: then they are complete, and the
-    probe saves one at that step, and an extra checkpoint per epoch is written (only their names are checked). Each
-    rank's final weights only with `rank_weights`."""
+    their size), unless other runs resume from it at global batch `resumed_at` (or start one-step runs from it after
+    the global batches `saves`): then they are complete, the probe saves one at each of those steps, an extra
+    checkpoint per epoch is written (only their names are checked), and each parameter element's largest gradient is
+    recorded (parity_probe.GradientPeaks). Each rank's final weights only with `rank_weights`; each rank's
+    fingerprints of its datasets, compared before training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
@@ -146,9 +163,12 @@ def run_args(steps: dict, resumed_at: int | None = None, rank_weights: bool = Fa
     ]
     if rank_weights:
         args.append("--trainer.callbacks.rank_weights=true")
+    if fingerprints:
+        args.append("--trainer.callbacks.fingerprint_data=true")
     if resumed_at is not None:
-        at = global_step(steps, resumed_at)
+        at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
+        args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
         args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
         args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
     return args
@@ -171,6 +191,27 @@ def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str
     ]
 
 
+def one_step(steps: dict, devices: int, precision: str, states: Path, *extra: str) -> list[str]:
+    """A one-step run (parity_probe.OneStep): `fit` on `devices` in `precision` training global batches 0 and 1 of
+    each of 2 epochs, each from the state in `states` (the first wave's 1-device float64 run saved them), without
+    validation, checkpoints or the doctor."""
+    return [
+        "fit",
+        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", precision),
+        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0"),
+        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
+        *("--doctor.enabled", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
+        *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['steps_per_epoch']}"),
+        f"--trainer.callbacks.steps_per_batch={steps['steps_per_batch']}",
+        f"--trainer.callbacks.batches={steps['step_batches']}",
+        *extra,
+        *parity_args(),
+    ]
+
+
+STEP_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
+
+
 def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[str]:
     """`validate`, `test` or `predict` in float64 from `ckpt_path`, without a logger (predictions.pt and the
     probe's records go to the run's root)."""
@@ -187,10 +228,11 @@ PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 PORT_RETRIES = 2
 
 
-def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Callable[[], Run]:
+def command(cmd: list[str], root: Path, log: Path, timeout: float = 420, ranks: int = 1) -> Callable[[], Run]:
     """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
     non-zero exit (its error line first) or after `timeout` seconds (killing all it started). A run of main.py is
-    forked from the fork server (helpers.run_main); other commands (torchrun) start as they are."""
+    forked from the fork server (helpers.run_main; with `ranks` 2, both of its ranks, as torchrun would start
+    them); other commands (torchrun) start as they are."""
     before: set[Path] = set()  # what the folder held before the run (a copied run to continue, a config.yaml)
 
     def once() -> subprocess.CompletedProcess:
@@ -198,7 +240,7 @@ def command(cmd: list[str], root: Path, log: Path, timeout: float = 420) -> Call
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         full = [*cmd, "--trainer.default_root_dir", str(root)]
         if full[1] == str(main_py()):
-            return run_main(*full[2:], cwd=root, timeout=timeout, log=log)
+            return run_main(*full[2:], cwd=root, timeout=timeout, log=log, ranks=ranks)
         result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)  # one thread a process: shared cores
         log.write_text(result.stdout)
         return result
@@ -250,58 +292,136 @@ def as_cuda(run: Run, steps: dict) -> Path:
 class Wave:
     names: tuple[str, ...]
     jobs: Callable  # (Waves) -> {name: job}; may read the runs of an earlier wave
-    started: bool = False
+    started: bool = False  # its jobs are built (the runs themselves start as they are asked for)
 
 
 class Waves:
-    """The runs by name, started a wave at a time when one of the wave's runs is first asked for, so that a
-    selection of tests (`pytest -k ...`) starts only the runs it reads. Every run of a wave starts at once; a run
-    that fails fails the tests that read it, with its own error, and no other (a run of a later wave that starts
-    from it fails with that error too)."""
+    """The runs by name. A run starts when it is first asked for, together with the other runs of its wave that the
+    session's selected tests read (`want`; every run of the wave when nothing was declared), so that a selection of
+    tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once; a run that fails
+    fails the tests that read it, with its own error, and no other (a run of a later wave that starts from it fails
+    with that error too). `gate`, asked once the runs that fingerprint the datasets (GATED_BY) have run, may give a
+    reason no run can be compared (check_data.data_gate: the ranks hold different data): then every test that asks
+    for a run skips with it, and no run starts after it."""
 
-    def __init__(self, base: Path, waves: list[Wave]) -> None:
-        self.base, self.waves, self.done, self.failed = base, waves, {}, {}
+    def __init__(self, base: Path, waves: list[Wave], gate: Callable[["Waves"], str] | None = None) -> None:
+        self.base, self.waves, self.done, self.failed, self.gate = base, waves, {}, {}, gate
+        self.wanted: set[str] | None = None
+        self.jobs: dict[str, Callable] = {}  # built, not yet started
+        self.started: list[str] = []  # in the order they started
+        self.stopped = ""  # the gate's reason
+        self.gated = gate is None  # the gate has been asked
+
+    def want(self, names: set[str] | None) -> None:
+        """The runs the session's tests read (None: unknown, start every run of a wave)."""
+        self.wanted = names
 
     def __getitem__(self, name: str):
-        (wave,) = [w for w in self.waves if name in w.names]
-        if not wave.started:
-            wave.started = True
-            try:
-                jobs = wave.jobs(self)  # may read an earlier wave's run, which may have failed
-            except AssertionError as error:
-                self.failed |= dict.fromkeys(wave.names, str(error))
-            else:
-                with ThreadPoolExecutor(len(jobs)) as pool:
-                    futures = {n: pool.submit(jobs[n]) for n in jobs}
-                for n, future in futures.items():
-                    error = future.exception()
-                    if error is None:
-                        self.done[n] = future.result()
-                    else:  # a failed run, or the suite's own error making it: the tests that read it say which
-                        said = "".join(traceback.format_exception(error)[-3:])
-                        self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
+        self.folder(name)
+        if self.stopped:
+            pytest.skip(self.stopped)
         if name in self.failed:
             raise AssertionError(self.failed[name])
         return self.done[name]
+
+    def folder(self, name: str) -> Path:
+        """The folder of run `name`, once it has run, whether it succeeded or failed (for a check that reads what a
+        failed run left)."""
+        if name not in self.done and name not in self.failed and not self.stopped:
+            (wave,) = [w for w in self.waves if name in w.names]
+            if not wave.started:
+                wave.started = True
+                try:
+                    self.jobs |= wave.jobs(self)  # may read an earlier wave's run, which may have failed
+                except AssertionError as error:
+                    self.failed |= dict.fromkeys(wave.names, str(error))
+            if name in self.jobs:
+                self._start([n for n in wave.names if n in self.jobs and (n == name or self._wanted(n))])
+        return self.base / name
+
+    def _wanted(self, name: str) -> bool:
+        return self.wanted is None or name in self.wanted
+
+    def _start(self, names: list[str]) -> None:
+        jobs = {n: self.jobs.pop(n) for n in names}
+        self.started += names
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = {n: pool.submit(jobs[n]) for n in jobs}
+        for n, future in futures.items():
+            error = future.exception()
+            if error is None:
+                self.done[n] = future.result()
+            else:  # a failed run, or the suite's own error making it: the tests that read it say which
+                said = "".join(traceback.format_exception(error)[-3:])
+                self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
+        if not self.gated and all(n in self.done or n in self.failed for n in GATED_BY):
+            self.gated, self.stopped = True, self.gate(self)
+
+
+def reads(*names: str, **by_parameter: dict[str, tuple[str, ...]]) -> Callable:
+    """Declares the shared runs a check reads, so that a selection of tests starts only those (`runs_read`). A name
+    may hold `{reference}` (the float64 rounding reference's run), `{<parameter>}` (the test's parameter) or be
+    `{evaluations}` (the evaluation runs the module and data allow); `by_parameter` adds runs by a parameter's value
+    ({parameter: {value: names}})."""
+
+    def declare(check: Callable) -> Callable:
+        check.ddpkit_reads = (names, by_parameter)
+        return check
+
+    return declare
+
+
+def runs_read(items: list, steps: dict) -> set[str] | None:
+    """The runs the selected tests (pytest items) read, from their `reads` declarations; None when a test that uses
+    the runs declares nothing (then every run of a wave starts with it)."""
+    wanted: set[str] = set()
+    for item in items:
+        if "cpu_runs" not in getattr(item, "fixturenames", ()):
+            continue
+        declared = getattr(getattr(item, "function", None), "ddpkit_reads", None)
+        if declared is None:
+            return None
+        names, by_parameter = declared
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = [*names, *(n for key, runs in by_parameter.items() for n in runs.get(params.get(key), ()))]
+        for name in names:
+            if name == "{evaluations}":
+                wanted |= set(evaluation_runs(steps))
+            else:
+                wanted.add(name.format(reference=reference_run(steps, "fp64"), **params))
+    return wanted
 
 
 # Stands for the project's own config.yaml in the directory the runs without a logger start from.
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-def shared_runs(base: Path, steps: dict) -> Waves:
+def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None) -> Waves:
     """Every CPU run the suite reads (see the module's docstring), under `base`, with the steps they follow in
-    steps.json (what the suite measured of the configured model and data)."""
+    steps.json (what the suite measured of the configured model and data); `gate`: see Waves."""
     (base / "steps.json").write_text(json.dumps(steps, indent=1))
 
-    def run(name: str, cmd: list[str], root: Path | None = None) -> Callable[[], Run]:
-        return command(cmd, root or base / name, base / f"{name}.log")
+    def run(name: str, cmd: list[str], root: Path | None = None, ranks: int = 1) -> Callable[[], Run]:
+        return command(cmd, root or base / name, base / f"{name}.log", ranks=ranks)
+
+    # 2-device runs other than 2dev-fp64 (Lightning's launcher, as users run it: starting rank 1 as a fresh process)
+    # have both ranks forked (~5 CPU-s of imports less each; the ranks then train as torchrun's would).
+    forked = 2
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
+    saves = tuple(steps["step_points"])  # the one-step runs' states
     first = {
-        "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"]))),
-        "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"]))),
+        "1dev-fp64": run(
+            "1dev-fp64",
+            main_cmd(
+                *fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], saves=saves, fingerprints=True)
+            ),
+        ),
+        "2dev-fp64": run(
+            "2dev-fp64",
+            main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"], fingerprints=True)),
+        ),
     }
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
@@ -311,29 +431,35 @@ def shared_runs(base: Path, steps: dict) -> Waves:
     reference = reference_run(steps, "fp64")
     first[reference] = run(reference, main_cmd(*fit(steps, "cpu", 1, "64-true", *reorder)))
 
+    def first_again() -> Callable[[], Run]:
+        two = fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"])
+        return run("2dev-fp64-again", main_cmd(*two))
+
     def second(runs: Waves) -> dict:
         jobs = {
-            "1dev-fp32": run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true"))),
-            "2dev-fp32": run("2dev-fp32", main_cmd(*fit(steps, "cpu", 2, "32-true", rank_weights=True))),
-            reference_run(steps, "fp32"): run(
-                reference_run(steps, "fp32"), main_cmd(*fit(steps, "cpu", 1, "32-true", *reorder))
-            ),
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
-            "1dev-bf16": run("1dev-bf16", main_cmd(*fit(steps, "cpu", 1, "bf16-mixed"))),
-            reference_run(steps, "bf16"): run(
-                reference_run(steps, "bf16"), main_cmd(*fit(steps, "cpu", 1, "bf16-mixed", *reorder))
-            ),
-            "2dev-bf16": run("2dev-bf16", main_cmd(*fit(steps, "cpu", 2, "bf16-mixed"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
+        try:  # from the states the 1-device float64 run saved; float64's step is the exact one
+            states = runs["1dev-fp64"].root / "probe"
+            for name in ONE_STEP:
+                devices = 2 if "-2dev-" in name else 1
+                precision = {**STEP_PRECISIONS, "fp64": "64-true"}[name.split("-")[-1]]
+                jobs[name] = run(name, main_cmd(*one_step(steps, devices, precision, states)), ranks=devices)
+        except AssertionError as error:
+            jobs |= dict.fromkeys(ONE_STEP, failed(error))
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
-            jobs["2dev-acc2-fp64"] = run("2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)))
-        if steps["shards"]:
+            jobs["2dev-acc2-fp64"] = run(
+                "2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)), ranks=forked
+            )
+        if steps["shards"]:  # and its reference: 1 device in float32 (ModelParallelStrategy has no float64)
             jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
+            jobs["1dev-fp32"] = run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true")))
         if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
             lr = (*schedule_args(steps), csv)
             for n in (1, 2):
-                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", main_cmd(*fit(steps, "cpu", n, "64-true", *lr)))
+                cmd = main_cmd(*fit(steps, "cpu", n, "64-true", *lr))
+                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", cmd, ranks=n)
         return jobs
 
     def third(runs: Waves) -> dict:
@@ -368,11 +494,13 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
             "predict-1dev": run("predict-1dev", main_cmd(*evaluate(steps, "predict", 1, last)), base / "eval"),
-            "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best)))),
-            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last))),
+            "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best))), ranks=forked),
+            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last)), ranks=forked),
         }
         return jobs | {
-            "resume-1to2": run("resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at))),
+            "resume-1to2": run(
+                "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)), ranks=forked
+            ),
             **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
             # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
             "continue": run(
@@ -385,18 +513,12 @@ def shared_runs(base: Path, steps: dict) -> Waves:
         Wave(tuple(first), lambda runs: first),
         Wave(
             (
-                "1dev-fp32",
-                "2dev-fp32",
-                "1dev-acc4-fp32",
-                "1dev-reversed-fp32",
+                *ONE_STEP,
                 "torchrun-fp64",
-                "1dev-bf16",
-                "1dev-acc4-bf16",
-                "1dev-reversed-bf16",
-                "2dev-bf16",
                 "torchrun-nodes",
                 "2dev-acc2-fp64",
                 "sharded",
+                "1dev-fp32",
                 "1dev-lr-fp64",
                 "2dev-lr-fp64",
             ),
@@ -406,8 +528,10 @@ def shared_runs(base: Path, steps: dict) -> Waves:
             ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue"),
             third,
         ),  # fmt: skip
+        # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
+        Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
     ]
-    return Waves(base, waves)
+    return Waves(base, waves, gate)
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
@@ -424,7 +548,11 @@ def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
     return len(files), sum(files.values())
 
 
+# The runs whose ranks fingerprint their datasets (run_args' `fingerprints`), after which Waves' gate is asked.
+GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
+# The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step).
+ONE_STEP = ("step-1dev-fp32", "step-2dev-fp32", "step-1dev-bf16", "step-2dev-bf16", "step-1dev-fp64")
 
 
 # The set each evaluation stage reads (configured.py's `<set>_size`).
@@ -450,6 +578,7 @@ def cluster_args(steps: dict) -> list[str]:
     must end with its weights (2 epochs; dropout off, as the probe turns it off there)."""
     return [
         *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
+        *("--trainer.log_every_n_steps", "1"),  # as the first wave's: the parity command compares their logged steps
         *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
         *parity_args(),
         "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
@@ -490,6 +619,8 @@ __all__ = [
     "global_step",
     "main_cmd",
     "plan",
+    "reads",
     "remove_checkpoints",
+    "runs_read",
     "shared_runs",
 ]

@@ -1,0 +1,213 @@
+"""float32 and bf16-mixed, judged one optimizer step at a time: 1 and 2 devices take the same step from the same state.
+
+Over a whole training, rounding differences grow with every step (AdamW divides by the root of tiny squared gradients;
+reordering alone moved a BatchNorm CNN's float32 weights by 0.16-0.24 in 8 steps), so a bound loose enough for every
+model would pass bugs, and one tight enough to catch them fails correct models by chance. In one step rounding cannot
+compound. The first wave's 1-device float64 run saves its state (weights, buffers such as BatchNorm's statistics,
+optimizer, schedule) after global batches 1, n and n + 1 (n an epoch's); runs on 1 and on 2 devices in float32 and in
+bf16-mixed, and one on 1 device in float64, train global batches 0 and 1 of each of 2 epochs, loading before each the
+state saved there (parity_probe.OneStep): the same samples on any device count. The float64 run's step is the exact
+one: how far the 1-device step in float32 (bf16) is from it is that step's own rounding. At global batches 1, n and
+n + 1, per tensor, 2 devices are within ONE_STEP_FACTOR x that rounding (at least one unit of the precision) of 1
+device, as the norm of the difference over the tensor's elements:
+- the gradient each optimizer step sees, after the all-reduce;
+- the weights and buffers after the step, within AFTER_STEP_FACTOR x the update's rounding (float64's update against
+  this precision's; at least one unit of the stored value). Elements whose gradient is within its bound of zero in
+  both runs are left out: their sign is rounding's, and AdamW steps by the sign;
+- every value the module logged in the step, which is also the same on both ranks, bit for bit.
+Elements that got no gradient in the float64 runs (check_parity.no_gradient) are left out: their gradient is a
+cancelled sum's rounding, at a scale the tensor itself does not show. Both ranks hold the same weights and buffers
+after every step, bit for bit.
+
+Measured (the template's docs/measurements.md, "The one-step check"): the norm, because where an activation has a
+kink (ReLU) an element at it can switch on one run and not the other, and a tensor's largest difference jumped to 5 x
+1 device's where its norm stayed within 2 x; the float64 step, because a batch reordered on 1 device reproduces
+neither bf16's rounding of each rank's half of a gradient before the all-reduce nor synchronized BatchNorm's other
+formula for 2 ranks' statistics (2 devices differed by up to 38 x what reordering moved); global batch 0 (each run's
+own initialization) is trained, not judged: a MobileNetV3-small's float32 gradient there differed on 2 devices by up
+to a tenth of a tensor's norm in 3 of 4 runs, at no later step, while its float64 gradients agreed to 3e-14.
+"""
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from .check_parity import no_gradient
+from .runs import STEP_PRECISIONS, Run, Waves, comparable, reads
+
+# 2 devices' difference over the step's own rounding, worst tensor of any point: at most 2.34 x (GPT-2, small
+# BatchNorm CNN, ResNet-18, TinyBert; seeds 0-4, float32 and bf16), 4.62 x for a MobileNetV3-small's squeeze-
+# excitation bias (float32, seed 3): docs/measurements.md, "The one-step check"; 8 leaves 1.7 x.
+ONE_STEP_FACTOR = 8.0
+# The weights after the step: AdamW's step grows its gradient's rounding most where that gradient is small, beyond
+# 1 device's own draw of it: 2 devices needed up to 5.9 x (a MobileNetV3-small's 8-element squeeze-excitation bias,
+# float32, seed 42; 0.9 at most elsewhere: docs/measurements.md, "The one-step check"); 20 leaves 3.4 x.
+AFTER_STEP_FACTOR = 20.0
+EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
+
+
+def records(run: Run) -> dict[int, dict]:
+    """The steps a one-step run took: {global batch: {"before", "grads", "after", "logged"}} (rank 0's)."""
+    return torch.load(run.root / "probe" / "onestep.pt", weights_only=False)
+
+
+def norm(t: torch.Tensor) -> float:
+    return t.detach().double().norm().item() if t.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """One tensor (or logged value) of one step judged: the norm of 2 devices' difference from 1 device's, its norm
+    relative to 1 device's value, and the largest difference the step's own rounding allows."""
+
+    name: str
+    apart: float  # ||two - one||
+    relative: float  # apart / ||one||
+    bound: float
+    rounding: str = ""  # why it is not judged (no gradient)
+    note: str = ""
+
+    @property
+    def over(self) -> bool:
+        return not self.rounding and not self.apart <= self.bound  # NaN is over
+
+    def __str__(self) -> str:
+        head = f"{self.name}: {self.apart:.3g} apart ({self.relative:.3g} of its norm)"
+        note = f"; {self.note}" if self.note else ""
+        if self.rounding:
+            return f"{head} ({self.rounding}{note})"
+        return f"{head} ({'OVER ' if self.over else ''}bound {self.bound:.3g}{note})"
+
+
+def judged(name: str, one: torch.Tensor, two: torch.Tensor, rounding: float, factor: float, note: str = ""):
+    """2 devices' tensor `two` against 1 device's `one`, allowed `factor` x `rounding` (a norm) apart."""
+    apart, size = norm(one.double() - two.double()), norm(one)
+    relative = apart / size if size else (0.0 if not apart else math.inf)
+    return StepVerdict(name, apart, relative, factor * rounding, note=note)
+
+
+def step_verdicts(
+    one: dict,
+    two: dict,
+    exact: dict,
+    precision: str,
+    no_gradient: Mapping[str, torch.Tensor] | None = None,
+    factor: float = ONE_STEP_FACTOR,
+    after_factor: float = AFTER_STEP_FACTOR,
+) -> list:
+    """The verdicts of 2 devices' steps (`two`) against 1 device's (`one`) in `precision`, at every global batch but
+    the first (from each run's own initialization; see the module's docstring): each gradient, tensor after the step
+    and logged value, as the norm of the difference (all its elements' at once: a single element's rounding can
+    jump where an activation has a kink) against that step's own rounding, how far 1 device's is from the same step
+    in float64 (`exact`), at least one unit of the precision; as (global batch, what, StepVerdict), what being
+    "gradient", "after" or "logged". The elements of `no_gradient` (check_parity.no_gradient: no gradient in the
+    float64 runs; a cancelled sum's rounding, at no scale the tensor itself shows) are left out."""
+    eps, out, no_gradient = EPS[precision], [], no_gradient or {}
+    for k in sorted(one):
+        if not k:
+            continue
+        a, b, e = one[k], two[k], exact[k]
+        rounding_level: dict[str, torch.Tensor] = {}
+        for ga, gb, ge in zip(a["grads"], b["grads"], e["grads"], strict=True):
+            for name, x in ga.items():
+                none = no_gradient.get(name, torch.zeros_like(x, dtype=torch.bool)).reshape(x.shape)
+                y, z = gb[name], ge[name]
+                if none.all():
+                    verdict = StepVerdict(name, norm(x - y), math.nan, math.inf, "no gradient in float64")
+                    out.append((k, "gradient", verdict))
+                    rounding_level[name] = none
+                    continue
+                xs, ys, zs = x[~none], y[~none], z[~none]
+                rounding = max(norm(xs.double() - zs.double()), eps * norm(xs))
+                note = f"{int(none.sum())} of {none.numel()} elements without gradient left out" if none.any() else ""
+                verdict = judged(name, xs, ys, rounding, factor, note)
+                out.append((k, "gradient", verdict))
+                # An element within the gradient's bound (as a root mean square) of zero in both runs: rounding's sign.
+                per_element = verdict.bound / max(1, xs.numel()) ** 0.5
+                small = none | ((x.abs() <= per_element) & (y.abs() <= per_element))
+                rounding_level[name] = rounding_level[name] & small if name in rounding_level else small
+        for name, x in a["after"].items():
+            y = b["after"][name]
+            if not x.is_floating_point():  # a count (num_batches_tracked): exact
+                out.append((k, "after", judged(name, x, y, 0.0, after_factor)))
+                continue
+            keep = ~rounding_level[name] if name in rounding_level else torch.ones_like(x, dtype=torch.bool)
+            if not keep.any():
+                reason = "no gradient: every element without, or within its gradient's bound of zero"
+                out.append((k, "after", StepVerdict(name, norm(x - y), math.nan, math.inf, reason)))
+                continue
+            # The update's rounding: float64's update of the same state against this precision's.
+            step, exact_step = (x - a["before"][name].to(x.dtype)), (e["after"][name] - e["before"][name])
+            xs, ys = x[keep], y[keep]
+            update = max(norm(exact_step[keep] - step[keep].double()), eps * norm(step[keep]))
+            stored = torch.finfo(x.dtype).eps * norm(xs)
+            note = f"{int((~keep).sum())} of {keep.numel()} elements with rounding-level gradients left out"
+            out.append(
+                (k, "after", judged(name, xs, ys, max(update, stored), after_factor, note if not keep.all() else ""))
+            )
+        for tag, value in a["logged"].items():
+            x, y, z = (torch.tensor([v], dtype=torch.float64) for v in (value, b["logged"][tag], e["logged"][tag]))
+            rounding = max(norm(z - x), torch.finfo(torch.float32).eps * abs(value))
+            out.append((k, "logged", judged(tag, x, y, rounding, factor)))
+    return out
+
+
+def step_report(verdicts: list, limit: int = 8) -> str:
+    """The verdicts of one step and kind, one a line: those over their bound first (furthest first), then the
+    others (largest relative difference first), those not judged last."""
+    ratio = lambda v: math.inf if not v.bound or math.isnan(v.apart) else v.apart / v.bound  # noqa: E731
+    over = sorted((v for v in verdicts if v.over), key=ratio, reverse=True)
+    rest = sorted((v for v in verdicts if not v.over and not v.rounding), key=lambda v: -v.relative)
+    lines = [f"  {v}" for v in [*over, *rest, *(v for v in verdicts if v.rounding)]]
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"  ... and {len(lines) - limit} more"]
+    return "\n".join(lines)
+
+
+def step_runs(cpu_runs: Waves, tag: str) -> tuple[Run, ...]:
+    """1 device's and 2 devices' one-step runs in the precision, and the exact (float64) one."""
+    return cpu_runs[f"step-1dev-{tag}"], cpu_runs[f"step-2dev-{tag}"], cpu_runs["step-1dev-fp64"]
+
+
+@pytest.mark.parametrize("precision", list(STEP_PRECISIONS))
+@reads("1dev-fp64", "2dev-fp64", "step-1dev-{precision}", "step-2dev-{precision}", "step-1dev-fp64")
+def test_one_step_from_the_same_state_matches_1_vs_2_devices(cpu_runs, steps, precision):
+    """From the same states (global batches 0, 1, n and n + 1), one step on 2 devices gives 1 device's all-reduced
+    gradient, weights, buffers and logged values within ONE_STEP_FACTOR x that step's own rounding, per tensor (how
+    far the same step in float64 is from 1 device's, at least one unit of the precision), in float32 and bf16-mixed."""
+    comparable(steps)
+    one, two, exact = (records(run) for run in step_runs(cpu_runs, precision))
+    expected = sorted({0, 1, steps["steps_per_epoch"], steps["steps_per_epoch"] + 1} - {2 * steps["steps_per_epoch"]})
+    assert sorted(one) == sorted(two) == sorted(exact) == expected[: 2 * steps["step_batches"]]
+    for k in one:  # the same state before each step, bit for bit: else the steps cannot be compared
+        started = [name for name, t in one[k]["before"].items() if not torch.equal(t, two[k]["before"][name])]
+        assert not started, f"global batch {k}: 1 and 2 devices started from different {started[:3]}"
+    verdicts = step_verdicts(one, two, exact, precision, no_gradient(cpu_runs))
+    over = [(k, what, v) for k, what, v in verdicts if v.over]
+    by_point = sorted({(k, what) for k, what, _ in over})
+    assert not over, f"step-2dev-{precision} vs step-1dev-{precision}, bound {ONE_STEP_FACTOR:g} x the step's own " + (
+        f"rounding ({AFTER_STEP_FACTOR:g} x after the step): 1 device's difference from the same step in float64, "
+        "at least one unit of the precision:\n"
+        + "\n".join(
+            f"global batch {k}, {what}:\n" + step_report([v for kk, w, v in verdicts if (kk, w) == (k, what)])
+            for k, what in by_point
+        )
+    )
+
+
+@reads(*(f"step-2dev-{tag}" for tag in STEP_PRECISIONS))
+def test_both_ranks_end_bit_identical(cpu_runs, steps):
+    """DDP keeps the replicas identical: after every one-step run's step, in float32 and in bf16-mixed, rank 0 and
+    rank 1 hold the same weights and buffers, bit for bit, and logged the same values."""
+    for tag in STEP_PRECISIONS:
+        probe = cpu_runs[f"step-2dev-{tag}"].root / "probe"
+        rank0, rank1 = (json.loads((probe / f"onestep-rank{r}.json").read_text()) for r in (0, 1))
+        assert rank0.keys() == rank1.keys() and len(rank0) == 2 * steps["step_batches"], tag
+        for k in rank0:
+            differ = [n for n in rank0[k]["weights"] if rank0[k]["weights"][n] != rank1[k]["weights"][n]]
+            assert not differ, f"{tag}, global batch {k}: the ranks hold different {differ[:3]}"
+            assert rank0[k]["logged"] == rank1[k]["logged"], f"{tag}, global batch {k}: a value logged without sync"
