@@ -71,8 +71,8 @@ def test_dry_run_runs_each_step_and_keeps_its_output(dry):
 
 def test_dry_run_two_rank_step_matches_one_process(dry):
     """Two one-process torchrun agents over gloo (CPU here) train the float64 model as one process does, within
-    the float64 bound. Fails until the parity tool judges TensorBoard's float32 scalars at float32's resolution
-    (issue 43, item 2): val/loss differs in its last float32 bit."""
+    the float64 bound: the parity tool judges TensorBoard's float32 scalars at float32's resolution (issue 43, item 2;
+    val/loss differed in its last float32 bit, and failed the float64 bound before)."""
     code, out, steps = dry
     verdict, detail, _ = steps["float64, 2 ranks on 1 GPU (gloo) vs 1 GPU"]
     assert verdict == "PASS", detail
