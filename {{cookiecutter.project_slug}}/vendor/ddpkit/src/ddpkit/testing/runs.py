@@ -38,8 +38,8 @@ import pytest
 import torch
 
 from .. import presets
+from ..model.sharding import shards_on_cpu
 from ..parity import load_weights
-from ..sharding import shards_on_cpu
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .fake_cuda import save_as_cuda
 from .helpers import finish, headline, main_py, run_main, start

@@ -17,8 +17,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from . import __version__
-from .lightning_internals import save_last_checkpoint_if_skipped, saves_on_train_epoch_end
+from .. import __version__
+from ..lightning_internals import save_last_checkpoint_if_skipped, saves_on_train_epoch_end
 
 # The checkpoint key that holds the version of ddpkit that wrote it.
 VERSION_KEY = "ddpkit_version"

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from .lightning_internals import launched_processes
+from ..lightning_internals import launched_processes
 
 # The launcher's pid, inherited by the ranks it starts: they exit when it is gone.
 LAUNCHER_PID = "DDP_LAUNCHER_PID"

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from .data import GlobalBatchDataModule
+from ..data.global_batch import GlobalBatchDataModule
 
 CONFIG = Path(__file__).with_name("toy.yaml")
 FEATURES, CLASSES = 64, 10
@@ -185,7 +185,7 @@ class FaultyClassifier(ToyClassifier):
 
 def main(args: list[str] | None = None, run: bool = True):
     """`main.py` for the toy: the project CLI over toy.yaml."""
-    from .cli import main as run_cli  # not at the top: the CLI imports far more than the model needs
+    from ..run.cli import main as run_cli  # not at the top: the CLI imports far more than the model needs
 
     return run_cli(CONFIG, args, run)
 

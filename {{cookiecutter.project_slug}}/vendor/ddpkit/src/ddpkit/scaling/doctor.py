@@ -20,9 +20,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import __version__
+from .. import __version__
 from .diagnosis import Thresholds, diagnose, format_report, summarize
-from .lightning_internals import ddp_comm_hook, wrap_fetch_hooks
+from ..lightning_internals import ddp_comm_hook, wrap_fetch_hooks
 from .measure import STEP_SAMPLE, StepMeter, Totals, allreduce_latency_ms, peak_memory
 from .record import DoctorRecord
 

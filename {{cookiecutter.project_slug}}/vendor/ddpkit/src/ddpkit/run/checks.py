@@ -26,11 +26,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import IterableDataset
 
-from . import __version__
+from .. import __version__
+from ..data.global_batch import GlobalBatchDataModule
+from ..model.sharding import shards_on_cpu
 from .checkpoints import VERSION_KEY
-from .data import GlobalBatchDataModule
 from .processes import rank_label
-from .sharding import shards_on_cpu
 
 SECTIONS = ("model", "data")
 

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .lightning_internals import load_pending_train_loader_states
+from ..lightning_internals import load_pending_train_loader_states
 
 
 class GlobalBatchSampler(DistributedSampler):

@@ -11,9 +11,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from ..scaling.sweeper import SWEEP_MARKER
 from .checks import BadInput, load_lazily
 from .processes import rank_label
-from .scaling import SWEEP_MARKER
 
 # Not searched for last.ckpt: environments, caches, version control.
 SKIP_DIRS = {"site-packages", "__pycache__", "node_modules"}

@@ -12,7 +12,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 
-from . import __version__
+from .. import __version__
 from .checkpoints import VERSION_KEY
 
 

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-from .lightning_internals import apply_activation_checkpointing, fully_shard_function
+from ..lightning_internals import apply_activation_checkpointing, fully_shard_function
 
 
 def shard_layers(model: nn.Module, layers: Iterable[nn.Module], device_mesh, activation_checkpointing: bool = False):

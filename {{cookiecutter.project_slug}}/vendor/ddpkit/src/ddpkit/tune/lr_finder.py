@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from ddpkit.scaling import main_command, mark_sweep
+from ddpkit.scaling.sweeper import main_command, mark_sweep
 
 # Steps on each side of a step in the smoothed loss: a centered mean of 7 steps, which has no lag (a trailing mean or
 # an exponential average lags the lr it is plotted at; over 100 steps from 1e-6 to 1 an average of the last 10 steps

@@ -5,7 +5,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from .lightning_internals import CurrentStreamDDPStrategy, ddp_timeout, set_ddp_timeout, set_process_group_timeout
+from ..lightning_internals import CurrentStreamDDPStrategy, ddp_timeout, set_ddp_timeout, set_process_group_timeout
 
 
 class TimedDDPStrategy(CurrentStreamDDPStrategy):

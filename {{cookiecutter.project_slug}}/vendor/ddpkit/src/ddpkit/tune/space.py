@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ddpkit.study import CLOCKS, BadInput, Space
+from ddpkit.tune.study import CLOCKS, BadInput, Space
 
 SPACE_KEYS = {"metric", "direction", "params", "sampler", "pruner", "clock"}
 RANGE_KEYS = {"low", "high", "log", "step"}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 
-from .lightning_internals import AnyDimBatchNorm, BatchNormBase, check_batchnorm_input
+from ..lightning_internals import AnyDimBatchNorm, BatchNormBase, check_batchnorm_input
 
 
 class _GlobalBatchNormFunction(torch.autograd.Function):

@@ -16,8 +16,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit.scaling import visible_cores
-from ddpkit.study import BadInput
+from ddpkit.scaling.ranks import visible_cores
+from ddpkit.tune.study import BadInput
 
 CLAIMS = "DDPKIT_CLAIMS"  # the folder of the node's claims, when not the default below
 DEFAULT_CLAIMS = "/tmp/ddpkit-claims"  # node-local on a cluster node; every user's workers share it

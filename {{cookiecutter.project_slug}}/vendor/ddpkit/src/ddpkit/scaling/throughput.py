@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from .lightning_internals import set_throughput_peak
+from ..lightning_internals import set_throughput_peak
 
 # Dense peak FLOP/s per GPU by compute dtype, from NVIDIA's datasheets; "fp32" is the plain
 # (non-tensor-core) rate. Matched against the lower-cased device name: first match wins, so

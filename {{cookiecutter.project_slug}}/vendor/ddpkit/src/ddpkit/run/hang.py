@@ -46,7 +46,7 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import Callback
 
-from .lightning_internals import default_store, flight_recorder_entries, records_gloo_collectives
+from ..lightning_internals import default_store, flight_recorder_entries, records_gloo_collectives
 
 SIGNAL = signal.SIGUSR2  # SIGUSR1 is SLURM's warning before the time limit (requeue.py)
 DUMP_WAIT = 5.0  # s for the signalled ranks' dumps: they took 0.06-0.07 s (docs/measurements.md, hang report)

@@ -13,9 +13,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from ..lightning_internals import restore_sigterm_broadcast, skip_sigterm_broadcast
 from .checkpoints import checkpoint_dir
 from .hang import job_hung
-from .lightning_internals import restore_sigterm_broadcast, skip_sigterm_broadcast
 from .processes import exit_now, mark_stopping, rank_label, stop_children
 
 

@@ -63,14 +63,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.scaling import main_command, mark_sweep
-from ddpkit.study import BadInput, open_storage, open_study, shown_url
-from ddpkit.tune_checks import check_fit_args, check_fits, checkpoint_monitor, key_paths
-from ddpkit.tune_devices import concurrent_trials, gpu_uuids, visible_gpus
-from ddpkit.tune_report import NO_PLOTS, best_trial, can_plot, plot, progress, train_command, values_text, write_results
-from ddpkit.tune_run import KEEP, tidy_checkpoints
-from ddpkit.tune_space import load_space
-from ddpkit.tune_worker import Worker, stop, work
+from ddpkit.scaling.sweeper import main_command, mark_sweep
+from ddpkit.tune.study import BadInput, open_storage, open_study, shown_url
+from ddpkit.tune.checks import check_fit_args, check_fits, checkpoint_monitor, key_paths
+from ddpkit.tune.devices import concurrent_trials, gpu_uuids, visible_gpus
+from ddpkit.tune.report import NO_PLOTS, best_trial, can_plot, plot, progress, train_command, values_text, write_results
+from ddpkit.tune.run import KEEP, tidy_checkpoints
+from ddpkit.tune.space import load_space
+from ddpkit.tune.worker import Worker, stop, work
 
 _signals = [signal.SIGINT]  # the signal that stopped the worker
 

@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
-from .data import GlobalBatchDataModule
+from .global_batch import GlobalBatchDataModule
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from ddpkit.study import NOTE, RETRY_OF, WORKER, Space, short_key
+from ddpkit.tune.study import NOTE, RETRY_OF, WORKER, Space, short_key
 
 
 def fmt(value: Any) -> str:

@@ -28,7 +28,15 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
-from .batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
+from ..data.global_batch import GlobalBatchDataModule
+from ..data.sampling import ResumeLoaderPosition
+from ..lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
+from ..model.batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
+from ..model.matmul import CHOICES as MATMUL_CHOICES
+from ..model.matmul import float32_matmul_precision
+from ..presets import hint as preset_hint
+from ..scaling.doctor import ScalingDoctor
+from ..tune.run import TRIAL_CHANNEL, TRIAL_CHECK, TRIAL_METRIC, TRIAL_WORKER
 from .checkpoints import AtomicCheckpointIO, RecordVersion
 from .checks import (
     BadInput,
@@ -42,15 +50,9 @@ from .checks import (
     warn_carried_init_args,
 )
 from .ckpt_paths import resolve_ckpt_path
-from .data import GlobalBatchDataModule
-from .doctor import ScalingDoctor
 from .hang import FLIGHT_RECORDER_ENV, HangDump, collect, is_collective_timeout
-from .lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
 from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
-from .matmul import CHOICES as MATMUL_CHOICES
-from .matmul import float32_matmul_precision
 from .predictions import PredictionWriter
-from .presets import hint as preset_hint
 from .processes import (
     exit_now,
     failed_children,
@@ -61,12 +63,10 @@ from .processes import (
     watch_parent,
 )
 from .requeue import SlurmRequeue
-from .sampling import ResumeLoaderPosition
 from .stop import GracefulStop, StopRequested
 from .strategy import TimedDDPStrategy, ddp_alias
 from .trackers import SaveTrackerRuns, continue_trackers
 from .trial import TrialReport
-from .tune_run import TRIAL_CHANNEL, TRIAL_CHECK, TRIAL_METRIC, TRIAL_WORKER
 
 
 class ArgumentParser(LightningArgumentParser):
