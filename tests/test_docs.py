@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from bakes import TEMPLATE, run, torch_pin
-from ddpkit.cli import newest_last_checkpoint
-from ddpkit.scaling import SWEEP_MARKER
+from ddpkit.run.cli import newest_last_checkpoint
+from ddpkit.scaling.sweeper import SWEEP_MARKER
 from doc_rules import PAGE_MENTION, dead_links, unsourced_figures
 from readme_commands import (
     ASIDE_CHAINS,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
-from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
+from ddpkit.data.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit.testing.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 

@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddpkit import presets, toy
-from ddpkit.cli import main as cli_main
+from ddpkit import presets
+from ddpkit.testing import toy
+from ddpkit.run.cli import main as cli_main
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ The modules live in one subpackage per concern (docs/design.md draws them): `dat
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from typing import TYPE_CHECKING
@@ -115,6 +116,15 @@ MOVED = {
 }
 
 
+class _AliasSpec(importlib.machinery.ModuleSpec):
+    """An old path's spec. runpy gives `python -m ddpkit.<old>` the spec's parent as __package__: the new module's,
+    so that its relative imports resolve."""
+
+    @property
+    def parent(self):
+        return MOVED[self.name].rpartition(".")[0]
+
+
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old module path as its new module, and gives runpy (`python -m ddpkit.<old>`) the new code."""
 
@@ -123,7 +133,9 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if new is None or new.startswith(fullname + "."):  # not moved, or its package answers for it
             return None
         home = importlib.util.find_spec(new)  # imports the new module's package, not the module
-        return importlib.util.spec_from_file_location(fullname, home.origin, loader=self)
+        spec = _AliasSpec(fullname, self, origin=home.origin)
+        spec.has_location = True  # __file__ is the new module's file: toy.py finds toy.yaml beside it
+        return spec
 
     def create_module(self, spec):
         module = importlib.import_module(MOVED[spec.name])

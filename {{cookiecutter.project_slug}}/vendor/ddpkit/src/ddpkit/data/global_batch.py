@@ -124,7 +124,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
                 raise TypeError(
                     f"{type(self).__name__}.train_dataset() returned {type(self.train_set).__name__}, an iterable "
                     "dataset: GlobalBatchDataModule samples map-style datasets; for a stream or shards, subclass "
-                    "ddpkit.streaming.StreamingDataModule and return train_shards()"
+                    "ddpkit.data.streaming.StreamingDataModule and return train_shards()"
                 )
             self.train_sampler()  # fail now, before any step, if the global batch does not fit
             if self.trainer is not None:

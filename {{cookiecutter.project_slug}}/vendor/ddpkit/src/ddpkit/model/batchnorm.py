@@ -5,7 +5,7 @@ what 1 device trains on the same global batch. torch's `SyncBatchNorm` fixes tha
 "SyncBatchNorm layers only work with GPU modules"). `SyncBatchNormAnyDevice` is a Lightning `LayerSync`
 plugin that uses torch's on NCCL and `GlobalBatchNorm` (below) on any other backend:
 
-    python main.py fit --trainer.plugins ddpkit.batchnorm.SyncBatchNormAnyDevice
+    python main.py fit --trainer.plugins ddpkit.model.batchnorm.SyncBatchNormAnyDevice
 
 It subclasses Lightning's `TorchSyncBatchNorm`, so `--trainer.sync_batchnorm true` may be given with it
 (Lightning refuses that flag next to any other `LayerSync`). Statistics are synchronized in training only:

@@ -307,7 +307,7 @@ def plain_datamodule_warning(datamodule: Any) -> str:
         f"warning: {type(datamodule).__name__} is a plain LightningDataModule: its batch size is per device "
         "(the global batch grows with --trainer.devices), and 1-vs-N device parity, exact mid-epoch resume and "
         f"exactly-once evaluation are not guaranteed; subclass {base} and return datasets to keep them "
-        "(ddpkit.streaming.StreamingDataModule for shards or streams)."
+        "(ddpkit.data.streaming.StreamingDataModule for shards or streams)."
     )
 
 
@@ -322,7 +322,7 @@ def iterable_data_warning(loaders: Any, world_size: int) -> str | None:
         f"warning: the training data ({type(iterable[0]).__name__}) is an IterableDataset that Lightning does not "
         f"split over the {world_size} processes: unless it splits itself by rank, every rank reads the whole "
         f"stream (each sample {world_size} times per epoch) and a rank whose stream ends first leaves the others "
-        "waiting at the epoch's end; ddpkit.streaming.StreamingDataModule reads shards once over all ranks."
+        "waiting at the epoch's end; ddpkit.data.streaming.StreamingDataModule reads shards once over all ranks."
     )
 
 

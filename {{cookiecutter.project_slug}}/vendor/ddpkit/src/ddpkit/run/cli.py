@@ -333,7 +333,7 @@ def main(default_config: str | Path, args: list[str] | None = None, run: bool = 
 
 
 # Defined in this module before checks.py, ckpt_paths.py and logdirs.py held them: projects and tests import them
-# from ddpkit.cli, so they stay importable from here (at the end: the import block above is what the CLI uses).
+# from ddpkit.run.cli, so they stay importable from here (at the end: the import block above is what the CLI uses).
 from .checks import LIGHTNING_CKPT_PATHS, check_checkpoint, iterable_data_warning, load_lazily, world_size  # noqa: E402,F401
 from .ckpt_paths import SKIP_DIRS, best_checkpoint, further, newest_hpc_checkpoint, newest_last_checkpoint  # noqa: E402,F401
 from .logdirs import next_version  # noqa: E402,F401

@@ -31,7 +31,7 @@ import torch
 EVERY_STEP = """
 trainer:
   callbacks:
-    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint
       init_args:
         dirpath: DIRPATH
         every_n_train_steps: 1
@@ -54,7 +54,7 @@ class Scenario:
     """One way a job can go wrong."""
 
     doc: str
-    model: tuple[str, ...] = ()  # --model.* overrides of ddpkit.toy.FaultyClassifier
+    model: tuple[str, ...] = ()  # --model.* overrides of ddpkit.testing.toy.FaultyClassifier
     signal: int | None = None  # sent once the marker file exists
     to_group: bool = False  # to the whole process group (Ctrl-C), else to the launcher only
     to_rank1: bool = False  # to rank 1 only (the process Lightning's launcher started), not the launcher
@@ -178,11 +178,11 @@ def run_scenario(
     sc = SCENARIOS[name]
     workdir.mkdir(parents=True, exist_ok=True)
     marker = workdir / "step_reached"
-    args = [sys.executable, "-m", "ddpkit.toy", "fit", "--trainer.accelerator", accelerator]
+    args = [sys.executable, "-m", "ddpkit.testing.toy", "fit", "--trainer.accelerator", accelerator]
     args += ["--trainer.devices", str(sc.devices), "--trainer.default_root_dir", str(workdir)]
     args += ["--trainer.max_steps", str(max_steps), "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.logger", "false", "--dist_timeout", str(dist_timeout)]
-    args += ["--model", "ddpkit.toy.FaultyClassifier", "--model.marker", str(marker)]
+    args += ["--model", "ddpkit.testing.toy.FaultyClassifier", "--model.marker", str(marker)]
     args += list(sc.model)
     if sc.every_step:
         (workdir / "every_step.yaml").write_text(EVERY_STEP.replace("DIRPATH", str(workdir / "checkpoints")))

@@ -1,4 +1,4 @@
-"""The ranks' side of a trial of `python -m ddpkit.tune` (ddpkit/tune.py, the worker): the metric goes to the
+"""The ranks' side of a trial of `python -m ddpkit.tune` (ddpkit/tune/search.py, the worker): the metric goes to the
 worker after each validation, and its answer (go on, or stop: pruned) reaches every rank at the same step.
 
 Optuna's own Lightning callback decides in each rank (pruning raises there, and the other ranks wait in their
@@ -19,7 +19,7 @@ from .processes import exit_now, stop_children
 
 
 class TrialReport(Callback):
-    """Added by the CLI to `fit` when its environment says it is a trial (the TRIAL_* variables of ddpkit.tune_run).
+    """Added by the CLI to `fit` when its environment says it is a trial (the TRIAL_* variables of ddpkit.tune.run).
 
     After each validation rank 0 sends {step, samples, value} (the metric at `trainer.global_step`, an optimizer
     step, and the samples trained on, steps x the data module's global batch: both the same on any device count)

@@ -205,7 +205,7 @@ def diagnose(s: DoctorRecord, t: Thresholds) -> list[dict[str, str]]:
         )
     if s.loader_wait_pct >= 100 * t.data_wait_share:
         workers, pin = s.num_workers, s.pin_memory
-        # A loader without these settings (ddpkit.streaming's: a new worker set per epoch) gets no advice on them.
+        # A loader without these settings (ddpkit.data.streaming's: a new worker set per epoch) gets no advice on them.
         settings = "" if pin is None else f", set pin_memory=True (now {pin}) and persistent_workers=True"
         found.append(
             {

@@ -215,5 +215,5 @@ def _write_json(path: Path, summary: dict) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-# Defined in this module before measure.py held it: tests import it from ddpkit.doctor, so it stays importable here.
+# Defined in this module before measure.py held it: tests import it from ddpkit.scaling.doctor, so it stays importable here.
 from .measure import host_peak_rss  # noqa: E402,F401

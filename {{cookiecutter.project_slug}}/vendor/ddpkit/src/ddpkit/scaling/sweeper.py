@@ -53,7 +53,7 @@ from ddpkit.scaling.record import DoctorRecord, SchemaError
 from .ranks import preflight, visible_cores
 
 # Written in a sweep's output folder: `--ckpt_path last`, `best` and `auto` from a folder above it skip its runs
-# (ddpkit.ckpt_paths.newest_last_checkpoint), which are short measurements, not the training a user means to continue.
+# (ddpkit.run.ckpt_paths.newest_last_checkpoint), which are short measurements, not the training a user means to continue.
 SWEEP_MARKER = ".ddpkit-sweep"
 
 
@@ -311,11 +311,13 @@ def explain_runs(paths: list[Path]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, fit_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ddpkit.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--main",
         default="main.py",
-        help="the project CLI to run: a file (default ./main.py) or a module name (ddpkit.toy: the toy model)",
+        help="the project CLI to run: a file (default ./main.py) or a module name (ddpkit.testing.toy: the toy model)",
     )
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="device counts to run (default 1 2)")
     parser.add_argument("--out", type=Path, default=Path("scaling"), help="output directory (default ./scaling)")

@@ -3,7 +3,7 @@ config.yaml selects, so that deleting or replacing a project's example breaks ne
 
     python -m ddpkit.toy fit --trainer.accelerator cpu --trainer.devices 2
 
-runs the toy through the project CLI (`ddpkit.cli.main`) over its own config (`toy.yaml` beside this file):
+runs the toy through the project CLI (`ddpkit.run.cli.main`) over its own config (`toy.yaml` beside this file):
 synthetic data (10 Gaussian blobs in 64 dimensions, from a fixed seed) sized like the digits example, 1,079
 training samples (16 global batches of 64), 359 validation, 359 test. `FaultyClassifier` misbehaves on request.
 """

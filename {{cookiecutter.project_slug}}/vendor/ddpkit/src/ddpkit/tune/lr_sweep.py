@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint
 
-from .lr_finder import diverged, sweep_lr
+from .lr_curve import diverged, sweep_lr
 
 
 class SweepError(Exception):

@@ -1,5 +1,5 @@
 """One trial of `python -m ddpkit.tune`, as its worker runs it: the fit's command line and environment, the
-exchange with its rank 0 after each validation (ddpkit/trial.py is the other side), and the trials' checkpoints:
+exchange with its rank 0 after each validation (ddpkit/run/trial.py is the other side), and the trials' checkpoints:
 where an interrupted trial resumes, and which checkpoints the study no longer needs.
 """
 
@@ -19,7 +19,7 @@ from ddpkit.tune.report import best_trial, fmt
 from ddpkit.tune.space import value_args
 
 # The environment of a trial's processes: the metric, the pipes of rank 0 to the worker ("W,R" file descriptors),
-# and the worker's pid, which rank 0 watches (ddpkit.cli, ddpkit.trial). TRIAL_CHECK makes main.py build the fit
+# and the worker's pid, which rank 0 watches (ddpkit.run.cli, ddpkit.run.trial). TRIAL_CHECK makes main.py build the fit
 # (model, data, Trainer), print its config and stop: the checks before any trial.
 TRIAL_METRIC = "DDPKIT_TUNE_METRIC"
 TRIAL_CHANNEL = "DDPKIT_TUNE_CHANNEL"

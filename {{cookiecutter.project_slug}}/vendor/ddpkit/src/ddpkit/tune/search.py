@@ -9,7 +9,7 @@ the worker, asks Optuna for a trial's values and runs `python main.py fit <fit a
 command-line arguments, so all ranks train with the same ones by construction. After each validation rank 0
 sends the metric to the worker, which reports it to the study and asks the pruner; the answer reaches every rank
 through the strategy (a broadcast), so all of them stop after the same step and the fit ends cleanly
-(ddpkit/trial.py). The batch is global, so values found on 2 devices mean the same on 8.
+(ddpkit/run/trial.py). The batch is global, so values found on 2 devices mean the same on 8.
 
 SPACE.yaml:
 
@@ -29,7 +29,7 @@ A trial's value is the metric at its last validation; it must be logged in valid
 reported at the samples the trial has trained on (optimizer steps x the global batch: trials of different batches
 compare at the same data seen), or at the optimizer step with `clock: steps`. A seeded sampler is seeded anew for
 each trial from its seed and the trial's number, and a proposal that repeats the values of a trial that ran or
-runs is not run (the sampler is asked again): restarts and other workers draw new values (ddpkit/tune_space.py).
+runs is not run (the sampler is asked again): restarts and other workers draw new values (ddpkit/tune/space.py).
 
 --storage, where the study lives (several workers share one study through it):
   (default)                         SQLite in <out>/study.db: one machine, nothing to start
@@ -46,7 +46,7 @@ the next worker that looks, and its values run again as a new trial. Workers' cl
 
 On a node with G GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi) a worker runs floor(G / D) trials at once, each on
 D GPUs of its own (its CUDA_VISIBLE_DEVICES) with a rendezvous port of its own; workers on one node never share a
-GPU (ddpkit/tune_devices.py: a lock file per GPU in $DDPKIT_CLAIMS, default /tmp/ddpkit-claims). Without GPUs
+GPU (ddpkit/tune/devices.py: a lock file per GPU in $DDPKIT_CLAIMS, default /tmp/ddpkit-claims). Without GPUs
 --parallel K runs K CPU trials at once (default 1).
 
 <out>/ holds trial_K/ (each trial's logs, and its checkpoints while the study needs them: --checkpoints best keeps

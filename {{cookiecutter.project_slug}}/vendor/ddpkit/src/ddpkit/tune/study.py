@@ -2,7 +2,7 @@
 heartbeats and the failing of those whose worker is gone, and which values a trial may not run again. Optuna's own
 heartbeat exists only for its SQL storages and its `optimize` loop; this one is a trial attribute, so a journal
 file (SLURM arrays) gets it too. What the workers write about the study (trials.md, best.yaml, plots) is in
-ddpkit/tune_report.py.
+ddpkit/tune/report.py.
 """
 
 import random
@@ -25,7 +25,7 @@ CLOCKS = ("samples", "steps")  # what a trial's intermediate values are reported
 class Space:
     """A search space file: the distributions by dotted config key, and the study's settings."""
 
-    params: dict[str, Any]  # in the order their arguments go on the command line (ddpkit.tune_space.ordered)
+    params: dict[str, Any]  # in the order their arguments go on the command line (ddpkit.tune.space.ordered)
     metric: str | None = None
     direction: str | None = None
     sampler: Any = None

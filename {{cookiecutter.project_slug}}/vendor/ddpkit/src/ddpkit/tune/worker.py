@@ -1,5 +1,5 @@
 """The worker of `python -m ddpkit.tune` at work: it asks the study for trials whose values are new, runs up to
-`slots` of them at once (each in a thread of its own, on devices it claimed: ddpkit/tune_devices.py), tells the
+`slots` of them at once (each in a thread of its own, on devices it claimed: ddpkit/tune/devices.py), tells the
 study how each ended, and waits for the other workers' last trials; on Ctrl-C, SIGTERM or a trial's bad input it
 kills its running trials, fails them and queues their values again.
 """
