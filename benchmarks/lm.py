@@ -29,7 +29,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-
 from mfu import gpt_flops_per_token, mfu  # benchmarks/ is on sys.path as the script's directory
 from raw_ddp import baked_module
 from run import max_weight_diff, run, run_env, spread, step_stats

@@ -30,7 +30,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-
 from mfu import mfu, mlp_train_flops  # benchmarks/ is on sys.path as the script's directory
 
 HERE = Path(__file__).resolve().parent

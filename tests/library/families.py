@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from ddpkit.data.streaming import LocalShard, StreamingDataModule, shard_files
-from ddpkit.testing.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
+
+from ddpkit.data.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit.testing.toy import CLASSES, ToyClassifier, ToyData, blobs
 
 
 class SmallToyData(ToyData):

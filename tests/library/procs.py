@@ -58,7 +58,9 @@ def toy(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) ->
 def toy_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
     """Like `toy`, but fail with the tail of the output unless it exits 0; return the output."""
     result = toy(*args, cwd=cwd, timeout=timeout, env=env)
-    assert result.returncode == 0, f"ddpkit.testing.toy {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    assert result.returncode == 0, (
+        f"ddpkit.testing.toy {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    )
     return result.stdout
 
 

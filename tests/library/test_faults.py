@@ -13,10 +13,10 @@ import pytest
 import torch
 from procs import concurrently, toy_ok
 
-from ddpkit.testing import toy
+from ddpkit.parity import max_abs
 from ddpkit.run.faults import checkpoint_ok, run_scenario
 from ddpkit.run.hang import RankDump
-from ddpkit.parity import max_abs
+from ddpkit.testing import toy
 
 TIMEOUT = 20  # --dist_timeout of the runs
 HANG_TIMEOUT = 10  # of the hangs; a step of the toy takes milliseconds, far below it even on a loaded runner

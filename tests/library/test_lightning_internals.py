@@ -9,8 +9,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from packaging.version import Version
 from lightning.pytorch.strategies import DDPStrategy
+from packaging.version import Version
 from torch.distributed.constants import default_pg_timeout
 
 from ddpkit import lightning_internals as internals

@@ -24,11 +24,11 @@ from procs import finish, start
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit.tune import lr_finder
 from ddpkit.run.cli import main as run_cli
+from ddpkit.scaling.sweeper import SWEEP_MARKER
+from ddpkit.tune import lr_finder
 from ddpkit.tune.lr_finder import diverged, lr_keys, smooth, suggestion, sweep_lr
 from ddpkit.tune.lr_sweep import LRSweep, SweepError
-from ddpkit.scaling.sweeper import SWEEP_MARKER
 
 FINDER = [sys.executable, "-m", "ddpkit.tune.lr_finder"]
 TIMEOUT = 300
@@ -313,7 +313,10 @@ def test_divergence_is_the_trailing_mean_over_factor_times_its_lowest():
             },
             ["model.init_args.optimizer.init_args.lr"],
         ),
-        ({"model": {"class_path": "ddpkit.testing.toy.ToyClassifier", "init_args": {"lr": 0.003}}}, ["model.init_args.lr"]),
+        (
+            {"model": {"class_path": "ddpkit.testing.toy.ToyClassifier", "init_args": {"lr": 0.003}}},
+            ["model.init_args.lr"],
+        ),
         ({"model": {"class_path": "x.M", "init_args": {"lr": 0.1, "hidden_dim": 3}}}, []),  # not the optimizer's lr
         ({}, []),
     ],

@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ddpkit import presets
-from ddpkit.testing import toy
 from ddpkit.run.cli import main as cli_main
+from ddpkit.testing import toy
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ import pickle
 import sys
 
 import pytest
+from streams import optimize_litdata
 from torch.utils.data import DataLoader, IterableDataset
 
 import ddpkit.data
 from ddpkit.data import sources, streaming
-from streams import optimize_litdata
 
 N = 301  # samples in every source, numbered 0..N-1 in the order they are written
 
@@ -31,7 +31,8 @@ def check_shards(shards, sample_id, lengths):
 
 
 def test_imports_without_the_libraries(monkeypatch):
-    """ddpkit.data.sources imports with none of the adapters' libraries installed; an adapter then says which is missing."""
+    """ddpkit.data.sources imports with none of the adapters' libraries installed; an adapter then says which is
+    missing."""
     for name in ("litdata", "webdataset", "datasets"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
     monkeypatch.delitem(sys.modules, "ddpkit.data.sources")

@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ddpkit import GlobalBatchDataModule
-from ddpkit.parity import load_weights, max_abs
-from ddpkit.data.streaming import StreamingDataModule, StreamLoader, same_batches_every_epoch, shard_files
 from procs import concurrently, finish, start
 from streams import READERS, SIZES, UnevenShards, write_shards
 from torch.utils.data import IterableDataset
+
+from ddpkit import GlobalBatchDataModule
+from ddpkit.data.streaming import StreamingDataModule, StreamLoader, same_batches_every_epoch, shard_files
+from ddpkit.parity import load_weights, max_abs
 
 GLOBAL_BATCH = 32
 STEPS_PER_EPOCH = sum(SIZES) // GLOBAL_BATCH  # 12: 385 samples, 1 left over each epoch
@@ -257,7 +258,8 @@ def test_global_batch_module_given_an_iterable_dataset_points_to_streaming(strea
             return stream()
 
     with pytest.raises(
-        TypeError, match=f"returned {stream.__name__}, an iterable dataset: .* ddpkit.data.streaming.StreamingDataModule"
+        TypeError,
+        match=f"returned {stream.__name__}, an iterable dataset: .* ddpkit.data.streaming.StreamingDataModule",
     ):
         Data(global_batch_size=2).setup("fit")
 

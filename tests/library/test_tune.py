@@ -35,16 +35,16 @@ from postgres import server
 from procs import finish, start, toy_ok
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of check_parity, imported below
-from ddpkit.tune import search as tune
-from ddpkit.run.cli import newest_last_checkpoint
 from ddpkit.parity import over_bound, read_csv_scalars, report, scalar_diffs, weight_diffs
+from ddpkit.run.cli import newest_last_checkpoint
 from ddpkit.scaling.sweeper import SWEEP_MARKER
-from ddpkit.tune.study import HEARTBEAT, NOTE, RETRY_OF, BadInput, Space, fail_stale, open_storage, open_study, surplus
 from ddpkit.testing.check_parity import BOUNDS
 from ddpkit.testing.fake_cluster import free_port, sbatch_options, slurm_array_env
+from ddpkit.tune import search as tune
 from ddpkit.tune.devices import Claim
 from ddpkit.tune.report import fmt
 from ddpkit.tune.space import argument
+from ddpkit.tune.study import HEARTBEAT, NOTE, RETRY_OF, BadInput, Space, fail_stale, open_storage, open_study, surplus
 from ddpkit.tune.worker import Worker, run_one, stop, work
 
 SCRIPT = Path(__file__).resolve().parents[2] / "{{cookiecutter.project_slug}}" / "cluster" / "tune.sbatch"

@@ -31,13 +31,13 @@ from optuna.trial import TrialState
 from postgres import server
 from procs import finish, start
 
-from ddpkit.tune import search as tune
-from ddpkit.tune.study import NOTE, REPEAT, RETRY_OF, WORKER, BadInput, open_storage, open_study, tell
 from ddpkit.testing.fake_cluster import slurm_array_env
+from ddpkit.tune import search as tune
 from ddpkit.tune.devices import CLAIMS, claim, concurrent_trials, gpu_uuids, visible_gpus
 from ddpkit.tune.report import best_yaml
 from ddpkit.tune.run import tidy_checkpoints
 from ddpkit.tune.space import check_sets, configurations, load_space, suggest
+from ddpkit.tune.study import NOTE, REPEAT, RETRY_OF, WORKER, BadInput, open_storage, open_study, tell
 
 TESTS = Path(__file__).resolve().parent
 PROJECT = TESTS.parents[1] / "{{cookiecutter.project_slug}}"

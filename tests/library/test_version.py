@@ -16,9 +16,9 @@ import torch
 import yaml
 
 import ddpkit
-from ddpkit.testing import toy
 from ddpkit.run.cli import check_checkpoint
 from ddpkit.scaling.record import DoctorRecord
+from ddpkit.testing import toy
 
 HERE = Path(__file__).resolve().parent
 LIBRARY = HERE.parents[1] / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"  # this template's copy
