@@ -4,6 +4,7 @@ between them, no module past MAX_LINES, and every path of the flat layout (0.4.0
 READMEs and the configs name resolves, and every documented `python -m ddpkit.X` runs, in its old and new spelling."""
 
 import ast
+import fnmatch
 import importlib
 import json
 import re
@@ -198,3 +199,23 @@ def test_no_import_cycle_between_subpackages():
 
     for node in sorted(graph):
         visit(node, [])
+
+
+def test_the_projects_gitignore_hides_no_part_of_the_library():
+    """A baked project's .gitignore names output folders (scaling/, tune/): anchored at the project's root, none of
+    them matches a folder or file of vendor/ddpkit, which the project's git must keep."""
+    patterns = [
+        line.strip()
+        for line in (PROJECT / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#") and "{%" not in line
+    ]
+    unanchored = [p for p in patterns if "/" not in p.rstrip("/")]  # git matches these at any depth
+    assert "/scaling/" in patterns and "runs/" in unanchored
+    hidden = sorted(
+        f"{path.relative_to(PROJECT)} ({pattern})"
+        for path in LIBRARY.rglob("*")
+        if not any(part.startswith((".", "__pycache__")) for part in path.relative_to(LIBRARY).parts)  # caches
+        for pattern in unanchored
+        if (path.is_dir() or not pattern.endswith("/")) and fnmatch.fnmatch(path.name, pattern.rstrip("/"))
+    )
+    assert not hidden, hidden
