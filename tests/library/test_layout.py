@@ -7,6 +7,7 @@ import ast
 import fnmatch
 import importlib
 import json
+import pickle
 import re
 import subprocess
 import sys
@@ -80,6 +81,28 @@ def test_an_old_module_path_imports_as_the_new_module(old):
     else:
         assert module is new and sys.modules[old] is new
         assert getattr(sys.modules["ddpkit"], old.rpartition(".")[2]) is new  # `from ddpkit import <old>` too
+
+
+# Classes that users' config.yaml files and 0.4.0 checkpoints name by their old path.
+OLD_CLASSES = {
+    "ddpkit.checkpoints.CurrentModelCheckpoint": "ddpkit.run.checkpoints.CurrentModelCheckpoint",
+    "ddpkit.strategy.TimedDDPStrategy": "ddpkit.run.strategy.TimedDDPStrategy",
+    "ddpkit.schedules.WarmupCosine": "ddpkit.model.schedules.WarmupCosine",
+    "ddpkit.batchnorm.SyncBatchNormAnyDevice": "ddpkit.model.batchnorm.SyncBatchNormAnyDevice",
+    "ddpkit.streaming.StreamingDataModule": "ddpkit.data.streaming.StreamingDataModule",
+    "ddpkit.throughput.MFUThroughputMonitor": "ddpkit.scaling.throughput.MFUThroughputMonitor",
+    "ddpkit.sharding.LayerFSDPStrategy": "ddpkit.model.sharding.LayerFSDPStrategy",
+    "ddpkit.data.GlobalBatchDataModule": "ddpkit.data.global_batch.GlobalBatchDataModule",
+    "ddpkit.trackers.MLFlowLogger": "ddpkit.run.trackers.MLFlowLogger",
+}
+
+
+def test_a_pickle_or_config_naming_an_old_class_path_gets_the_class():
+    """A 0.4.0 pickle (a GLOBAL opcode: module, then name) and a config's class_path load the same class object."""
+    for old, new in OLD_CLASSES.items():
+        module, _, name = old.rpartition(".")
+        assert pickle.loads(f"c{module}\n{name}\n.".encode()) is resolve(new), old
+        assert resolve(old) is resolve(new) and resolve(new).__module__ == new.rpartition(".")[0], old
 
 
 def test_every_documented_dotted_path_resolves():
