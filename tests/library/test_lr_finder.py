@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddpkit.run.cli import main as run_cli
 from ddpkit.scaling.sweeper import SWEEP_MARKER
 from ddpkit.tune import lr_finder
-from ddpkit.tune.lr_finder import diverged, lr_keys, smooth, suggestion, sweep_lr
+from ddpkit.tune.lr_curve import diverged, lr_keys, smooth, suggestion, sweep_lr
 from ddpkit.tune.lr_sweep import LRSweep, SweepError
 
 FINDER = [sys.executable, "-m", "ddpkit.tune.lr_finder"]
