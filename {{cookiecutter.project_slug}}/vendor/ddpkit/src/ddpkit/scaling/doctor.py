@@ -21,8 +21,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import __version__
-from .diagnosis import Thresholds, diagnose, format_report, summarize
 from ..lightning_internals import ddp_comm_hook, wrap_fetch_hooks
+from .diagnosis import Thresholds, diagnose, format_report, summarize
 from .measure import STEP_SAMPLE, StepMeter, Totals, allreduce_latency_ms, peak_memory
 from .record import DoctorRecord
 
@@ -215,5 +215,5 @@ def _write_json(path: Path, summary: dict) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-# Defined in this module before measure.py held it: tests import it from ddpkit.scaling.doctor, so it stays importable here.
+# Defined in this module before measure.py held it: tests import it from the doctor, so it stays importable here.
 from .measure import host_peak_rss  # noqa: E402,F401

@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +52,7 @@ from ddpkit.scaling.record import DoctorRecord, SchemaError
 from .ranks import preflight, visible_cores
 
 # Written in a sweep's output folder: `--ckpt_path last`, `best` and `auto` from a folder above it skip its runs
-# (ddpkit.run.ckpt_paths.newest_last_checkpoint), which are short measurements, not the training a user means to continue.
+# (ddpkit.run.ckpt_paths.newest_last_checkpoint): short measurements, not the training a user means to continue.
 SWEEP_MARKER = ".ddpkit-sweep"
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from ddpkit.tune.study import BadInput, Space, config_path, short_key
 from ddpkit.tune.run import TRIAL_CHECK, trial_env
 from ddpkit.tune.space import check_sets, value_args
+from ddpkit.tune.study import BadInput, Space, config_path, short_key
 
 MODES = {"min": "minimize", "max": "maximize"}
 

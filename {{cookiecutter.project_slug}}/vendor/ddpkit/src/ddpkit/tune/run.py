@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.tune.study import RETRY_OF, Space
 from ddpkit.tune.report import best_trial, fmt
 from ddpkit.tune.space import value_args
+from ddpkit.tune.study import RETRY_OF, Space
 
 # The environment of a trial's processes: the metric, the pipes of rank 0 to the worker ("W,R" file descriptors),
 # and the worker's pid, which rank 0 watches (ddpkit.run.cli, ddpkit.run.trial). TRIAL_CHECK makes main.py build the fit

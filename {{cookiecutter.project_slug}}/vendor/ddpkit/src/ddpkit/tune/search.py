@@ -64,12 +64,12 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.scaling.sweeper import main_command, mark_sweep
-from ddpkit.tune.study import BadInput, open_storage, open_study, shown_url
 from ddpkit.tune.checks import check_fit_args, check_fits, checkpoint_monitor, key_paths
 from ddpkit.tune.devices import concurrent_trials, gpu_uuids, visible_gpus
 from ddpkit.tune.report import NO_PLOTS, best_trial, can_plot, plot, progress, train_command, values_text, write_results
 from ddpkit.tune.run import KEEP, tidy_checkpoints
 from ddpkit.tune.space import load_space
+from ddpkit.tune.study import BadInput, open_storage, open_study, shown_url
 from ddpkit.tune.worker import Worker, stop, work
 
 _signals = [signal.SIGINT]  # the signal that stopped the worker

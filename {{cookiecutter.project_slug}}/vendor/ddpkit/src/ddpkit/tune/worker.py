@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.tune.devices import Claim, claim, cpu_threads
+from ddpkit.tune.report import fmt, progress, time_left, values_text, write_results
+from ddpkit.tune.run import Outcome, failure_line, resume_point, run_folder, run_trial, tidy_checkpoints, trial_command
+from ddpkit.tune.space import configurations, suggest
 from ddpkit.tune.study import (
     DIVERGED,
     NOTE,
@@ -30,10 +34,6 @@ from ddpkit.tune.study import (
     surplus,
     tell,
 )
-from ddpkit.tune.devices import Claim, claim, cpu_threads
-from ddpkit.tune.report import fmt, progress, time_left, values_text, write_results
-from ddpkit.tune.run import Outcome, failure_line, resume_point, run_folder, run_trial, tidy_checkpoints, trial_command
-from ddpkit.tune.space import configurations, suggest
 
 FAILURES_IN_A_ROW = 3  # a worker whose own trials fail this often in a row stops: they would all fail
 REPEATS_IN_A_ROW = 20  # proposals in a row that repeat a trial's values before a worker gives up on its sampler
