@@ -272,7 +272,7 @@ def fp64_two_ranks(check: Check) -> Result:
     run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
     run += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "gpu-check"]
     run += ["main.py", "fit", "--trainer.accelerator", check.accelerator, "--trainer.devices", "1"]
-    run += ["--trainer.num_nodes", "2", "--trainer.strategy", "ddpkit.strategy.TimedDDPStrategy"]
+    run += ["--trainer.num_nodes", "2", "--trainer.strategy", "ddpkit.run.strategy.TimedDDPStrategy"]
     run += ["--trainer.strategy.process_group_backend", "gloo", *check.fp64(), "--trainer.enable_progress_bar", "false"]
     run += ["--trainer.default_root_dir", str(root)]
     with ThreadPoolExecutor(2) as pool:  # the two agents at once: they meet at the rendezvous
@@ -318,7 +318,7 @@ def lm_mfu(check: Check) -> Result:
 
 @step("doctor", "the scaling doctor on a default fit on 1 GPU", alone=True)
 def doctor(check: Check) -> Result:
-    from ddpkit.record import DoctorRecord
+    from ddpkit.scaling.record import DoctorRecord
 
     if check.dry_run:  # its CPU fit: the doctor is on in every fit
         fit = check.fp64_cpu()

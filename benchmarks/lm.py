@@ -29,7 +29,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-
 from mfu import gpt_flops_per_token, mfu  # benchmarks/ is on sys.path as the script's directory
 from raw_ddp import baked_module
 from run import max_weight_diff, run, run_env, spread, step_stats
@@ -227,7 +226,7 @@ def main() -> None:
     peak = None
     if gpu:  # the dense peak of the dtype the matmuls run in; 32-true: plain FP32 (neither side enables TF32)
         dtype = "bf16" if args.precision == "bf16-mixed" else "fp32"
-        peak = importlib.import_module("ddpkit.throughput").peak_flops(device, dtype)
+        peak = importlib.import_module("ddpkit.scaling.throughput").peak_flops(device, dtype)
     flops_per_token = gpt_flops_per_token(model["n_layers"], model["d_model"], model["vocab_size"], model["block_size"])
     with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp:
         work = Path(tmp)

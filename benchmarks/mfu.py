@@ -1,7 +1,7 @@
 """Model FLOPs utilisation of the benchmarks' MLP (run.py) and GPT (lm.py): achieved training FLOP/s over the
 devices' dense peak.
 
-The peaks come from the library's `ddpkit.throughput` (`peak_flops`), the
+The peaks come from the library's `ddpkit.scaling.throughput` (`peak_flops`), the
 table its language-model example uses because Lightning's lookup does not know a
 plain "NVIDIA H200" and counts H200s with sparsity.
 """

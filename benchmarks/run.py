@@ -30,7 +30,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-
 from mfu import mfu, mlp_train_flops  # benchmarks/ is on sys.path as the script's directory
 
 HERE = Path(__file__).resolve().parent
@@ -123,7 +122,7 @@ def run_env(procs: int, args) -> dict:
 def matmul_precision(args) -> str:
     """The float32 matmul precision the template's `--float32_matmul_precision auto` gives these runs: the other
     two sides get the same, so that all three do the same math (TF32 on GPUs)."""
-    matmul = importlib.import_module("ddpkit.matmul")
+    matmul = importlib.import_module("ddpkit.model.matmul")
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     return matmul.float32_matmul_precision("auto", args.precision, device) or torch.get_float32_matmul_precision()
 
@@ -223,7 +222,7 @@ def summarise(name: str, procs: int, pairs: list[dict], args, project: Path) -> 
         # 32-true: TF32 matmuls on all three sides (matmul_precision), whose peak is the tensor cores' TF32 one.
         tf32 = matmul_precision(args) != "highest"
         dtype = "bf16" if args.precision.startswith("bf16") else "tf32" if tf32 else "fp32"
-        peak = importlib.import_module("ddpkit.throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
+        peak = importlib.import_module("ddpkit.scaling.throughput").peak_flops(torch.cuda.get_device_name(0), dtype)
         flops = mlp_train_flops(GLOBAL_BATCH, 64, hidden, layers, 10)
         for side in ("raw", "bare", "template"):
             # The mean, not the median: on a GPU the host runs ahead of the device between syncs.

@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(items):
 def _no_environment_changes_under_jobs(event: str, args: tuple) -> None:
     """Audit hook: a variable that a test (code under tests/) sets or removes in this process once the jobs have
     started fails the test. os.environ's writes go through os.putenv and os.unsetenv, which raise these events.
-    Writes by the libraries a test calls (Lightning's PL_GLOBAL_SEED, pytest's PYTEST_CURRENT_TEST, ddpkit.cli's
+    Writes by the libraries a test calls (Lightning's PL_GLOBAL_SEED, pytest's PYTEST_CURRENT_TEST, ddpkit.run.cli's
     TQDM_MINITERS) are theirs, the same in every process that runs that code, and pass."""
     if event not in ("os.putenv", "os.unsetenv") or not early.started() or os.getpid() != MAIN_PID:
         return

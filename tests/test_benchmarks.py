@@ -132,7 +132,7 @@ def test_markdown_table_is_printed(report):
 
 def test_gpu_peaks_come_from_the_library():
     """run.py takes MFU peaks from the library's throughput module, which knows a plain 'NVIDIA H200'."""
-    throughput = importlib.import_module("ddpkit.throughput")
+    throughput = importlib.import_module("ddpkit.scaling.throughput")
     assert throughput.peak_flops("NVIDIA H200", "bf16") == 989.5e12
 
 

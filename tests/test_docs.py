@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from bakes import TEMPLATE, run, torch_pin
-from ddpkit.cli import newest_last_checkpoint
-from ddpkit.scaling import SWEEP_MARKER
 from doc_rules import PAGE_MENTION, dead_links, unsourced_figures
 from readme_commands import (
     ASIDE_CHAINS,
@@ -28,6 +26,9 @@ from readme_commands import (
     documented_commands,
     shell_commands,
 )
+
+from ddpkit.run.cli import newest_last_checkpoint
+from ddpkit.scaling.sweeper import SWEEP_MARKER
 
 
 @pytest.fixture(scope="module")

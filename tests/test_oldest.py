@@ -11,7 +11,7 @@ from packaging.version import Version
 from releases import CONSTRAINTS, INSTALLS, kept, story, with_releases
 
 OLDEST = TEMPLATE / "tests" / "oldest.txt"
-# The suite's one skip on CPU that is not a GPU test's: FSDP2 needs CUDA before torch 2.6 (ddpkit.sharding).
+# The suite's one skip on CPU that is not a GPU test's: FSDP2 needs CUDA before torch 2.6 (ddpkit.model.sharding).
 SHARDED_SKIP = "FSDP2 runs on CPU processes from torch 2.6"
 
 

@@ -8,8 +8,8 @@ handling are the ddpkit library's (vendor/ddpkit).
 
 from pathlib import Path
 
-from ddpkit.cli import CLI
-from ddpkit.cli import main as run_cli
+from ddpkit.run.cli import CLI
+from ddpkit.run.cli import main as run_cli
 
 
 def main(args: list[str] | None = None, run: bool = True) -> CLI:

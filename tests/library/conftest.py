@@ -1,5 +1,5 @@
 """The library's own tests (faults, the doctor, the scaling gap, bad input, units) run on its toy model
-(`ddpkit.toy`) against the installed ddpkit, without baking a project."""
+(`ddpkit.testing.toy`) against the installed ddpkit, without baking a project."""
 
 import early
 import pytest

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from ddpkit import GlobalBatchDataModule
-from ddpkit.toy import ToyClassifier
+from ddpkit.testing.toy import ToyClassifier
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
 from torch.utils.data import Dataset

@@ -1,6 +1,6 @@
 """Runs with a known cause of poor scaling, for the doctor's tests: select them with --model / --data.
 
-Each class adds exactly one cause to the library's toy module or data (ddpkit.toy); this folder must be on
+Each class adds exactly one cause to the library's toy module or data (ddpkit.testing.toy); this folder must be on
 PYTHONPATH (procs.ON_PATH puts it there).
 """
 
@@ -9,7 +9,7 @@ import time
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from ddpkit.toy import ToyClassifier, ToyData
+from ddpkit.testing.toy import ToyClassifier, ToyData
 
 
 class _Sleepy(Dataset):

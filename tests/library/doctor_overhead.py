@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: one thread, as on
 
 import lightning as L  # noqa: E402
 
-from ddpkit.doctor import ScalingDoctor  # noqa: E402
-from ddpkit.toy import ToyClassifier, ToyData  # noqa: E402
+from ddpkit.scaling.doctor import ScalingDoctor  # noqa: E402
+from ddpkit.testing.toy import ToyClassifier, ToyData  # noqa: E402
 
 
 class StepClock(L.Callback):

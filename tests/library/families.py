@@ -10,13 +10,14 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
-from ddpkit.testing.parity_probe import batch_len
-from ddpkit.toy import CLASSES, ToyClassifier, ToyData, blobs
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
+
+from ddpkit.data.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit.testing.parity_probe import batch_len
+from ddpkit.testing.toy import CLASSES, ToyClassifier, ToyData, blobs
 
 
 class SmallToyData(ToyData):

@@ -39,7 +39,7 @@ def short_fit(project: Path, root: Path, lr: float, seed: int, steps: int) -> fl
 
 def finder(project: Path, out: Path, seed: int, devices: int = 1, fit_args: tuple[str, ...] = ()) -> dict:
     """The curve of `python -m ddpkit.lr_finder` on `devices` devices in float64 (lr_find.json)."""
-    cmd = [sys.executable, "-m", "ddpkit.lr_finder", "--devices", str(devices), "--out", str(out), "--"]
+    cmd = [sys.executable, "-m", "ddpkit.tune.lr_finder", "--devices", str(devices), "--out", str(out), "--"]
     cmd += ["--seed_everything", str(seed), "--trainer.precision", "64-true", "--trainer.accelerator", "cpu"]
     cmd += ["--trainer.enable_progress_bar", "false", *fit_args]
     subprocess.run(cmd, cwd=project, check=True, capture_output=True, timeout=900)

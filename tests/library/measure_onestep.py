@@ -32,7 +32,7 @@ RUNS = {"fp32-1": ("32-true", 1), "fp32-2": ("32-true", 2), "bf16-1": ("bf16-mix
 
 
 def fit(root: Path, model: str, data: str, seed: int, devices: int, precision: str, extra: list[str]) -> Path:
-    cmd = [sys.executable, "-m", "ddpkit.toy", "fit", "--model", model, "--data", data, *SIZES]
+    cmd = [sys.executable, "-m", "ddpkit.testing.toy", "fit", "--model", model, "--data", data, *SIZES]
     cmd += ["--seed_everything", str(seed), "--trainer.devices", str(devices), "--trainer.accelerator", "cpu"]
     cmd += ["--trainer.precision", precision, "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
     cmd += ["--doctor.enabled", "false", "--trainer.default_root_dir", str(root), *extra]

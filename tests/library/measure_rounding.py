@@ -26,7 +26,7 @@ DATA = ["--data", "families.SmallToyData", "--data.global_batch_size", "32", "--
 
 def fit(root: Path, model: str, seed: int, devices: int, extra: list[str], precision: str = "64-true") -> Path:
     """One fit of `model` under `root` in `precision`; returns its last checkpoint."""
-    cmd = [sys.executable, "-m", "ddpkit.toy", "fit", "--model", model, *DATA]
+    cmd = [sys.executable, "-m", "ddpkit.testing.toy", "fit", "--model", model, *DATA]
     cmd += ["--seed_everything", str(seed), "--trainer.devices", str(devices), "--trainer.accelerator", "cpu"]
     cmd += ["--trainer.precision", precision, "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
     cmd += ["--doctor.enabled", "false", "--trainer.default_root_dir", str(root), *extra]

@@ -38,7 +38,7 @@ class StepTrace(L.Callback):
 
 
 def fit(root: Path, args: list[str]) -> Path:
-    cmd = [sys.executable, "-m", "ddpkit.toy", "fit", *args, "--trainer.default_root_dir", str(root)]
+    cmd = [sys.executable, "-m", "ddpkit.testing.toy", "fit", *args, "--trainer.default_root_dir", str(root)]
     result = finish(start(cmd, TESTS, {"OMP_NUM_THREADS": "1"}), timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:]
     return root / "probe" / "trace.pt"

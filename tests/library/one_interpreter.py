@@ -19,8 +19,9 @@ if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank launched by a command tha
     sys.exit(3)
 
 import torch  # noqa: E402  (after the guard: a stray rank imports nothing)
+
 from ddpkit.testing import fake_cuda  # noqa: E402
-from ddpkit.toy import main  # noqa: E402
+from ddpkit.testing.toy import main  # noqa: E402
 
 
 def run(case: dict) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from ddpkit.testing import fake_cuda
 
 TESTS = Path(__file__).resolve().parent
-TOY = [sys.executable, "-m", "ddpkit.toy"]  # a project's `python main.py`, on the library's own toy model
+TOY = [sys.executable, "-m", "ddpkit.testing.toy"]  # a project's `python main.py`, on the library's own toy model
 # The test-only models (doctor_cases.py, sleepy.py) are selected by class path from this folder.
 ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
 
@@ -58,7 +58,9 @@ def toy(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) ->
 def toy_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:
     """Like `toy`, but fail with the tail of the output unless it exits 0; return the output."""
     result = toy(*args, cwd=cwd, timeout=timeout, env=env)
-    assert result.returncode == 0, f"ddpkit.toy {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    assert result.returncode == 0, (
+        f"ddpkit.testing.toy {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}"
+    )
     return result.stdout
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from ddpkit.toy import ToyClassifier, ToyData
+from ddpkit.testing.toy import ToyClassifier, ToyData
 
 # "DIR,COUNT": every run's rank 0 marks itself ready in DIR, waits until COUNT runs are (or 900 s pass),
 # then holds an exclusive lock on DIR/turn from the start of training to its end. The lock holder writes
@@ -118,7 +118,7 @@ class Sleepy(InTurn):
         return self.weight.sum() * 0.0  # a gradient of zeros for every weight: DDP all-reduces all of it
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val/acc", 0.0, sync_dist=True)  # for the checkpoint callback of ddpkit/toy.yaml
+        self.log("val/acc", 0.0, sync_dist=True)  # for the checkpoint callback of ddpkit/testing/toy.yaml
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddpkit import sources
-from ddpkit.streaming import LocalShard, Shard, StreamingDataModule
-from ddpkit.toy import blobs
+from ddpkit.data import sources
+from ddpkit.data.streaming import LocalShard, Shard, StreamingDataModule
+from ddpkit.testing.toy import blobs
 
 # 385 samples: 12 global batches of 32 and 1 left over. 12 shards for 8 streams, from 5 to 70 samples.
 SIZES = [37, 5, 60, 23, 41, 18, 70, 9, 33, 50, 12, 27]
@@ -127,7 +127,7 @@ _WRITERS = {"pt": _write_pt, "tar": _write_tar, "parquet": _write_parquet, "litd
 
 
 def read_shards(directory: Path) -> list[Shard]:
-    """The shards of `write_shards` in `directory`, in shard order, each through its reader (ddpkit.sources for
+    """The shards of `write_shards` in `directory`, in shard order, each through its reader (ddpkit.data.sources for
     all but .pt). The streaming module orders shards by their place in this list, not by name."""
     readers = json.loads((directory / "readers.json").read_text())
     opened = {r: iter(_open(directory, r, [i for i, s in enumerate(readers) if s == r])) for r in set(readers)}

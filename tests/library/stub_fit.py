@@ -46,7 +46,7 @@ def nested(pairs: dict[str, str]) -> dict:
             node.setdefault(leaf, {})["class_path"] = yaml.safe_load(value)
         else:
             node[leaf] = yaml.safe_load(value)
-    monitor = {"class_path": "ddpkit.checkpoints.CurrentModelCheckpoint", "init_args": {"monitor": "val/loss"}}
+    monitor = {"class_path": "ddpkit.run.checkpoints.CurrentModelCheckpoint", "init_args": {"monitor": "val/loss"}}
     config.setdefault("trainer", {})["callbacks"] = [monitor]
     return config
 

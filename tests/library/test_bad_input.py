@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddpkit import checks
-from ddpkit.checks import carried_init_args, given_keys
-from ddpkit.cli import (
+from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
+from streams import PlainStream
+
+from ddpkit.run import checks
+from ddpkit.run.checks import carried_init_args, given_keys
+from ddpkit.run.cli import (
     BadInput,
     check_checkpoint,
     check_state_dict_fits,
@@ -21,10 +24,8 @@ from ddpkit.cli import (
     plain_datamodule_warning,
     resolve_ckpt_path,
 )
-from ddpkit.scaling import SWEEP_MARKER
-from ddpkit.toy import PlainToyData, ToyClassifier
-from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
-from streams import PlainStream
+from ddpkit.scaling.sweeper import SWEEP_MARKER
+from ddpkit.testing.toy import PlainToyData, ToyClassifier
 
 # Runs at start-up on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank
 # was spawned. Then procs.FAKE_CUDA fakes the GPUs a case asks for (FAKE_CUDA_DEVICES).
@@ -198,9 +199,9 @@ def test_unlogged_monitor_fails_at_the_sanity_check_naming_the_logged_keys(tmp_p
     step or checkpoint, and names the keys the module does log."""
     (tmp_path / "monitor.yaml").write_text(
         "trainer:\n  callbacks:\n"
-        "    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint\n"
+        "    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint\n"
         "      init_args:\n        monitor: val_acc\n"
-    )  # merged into the list entry of ddpkit/toy.yaml with the same class
+    )  # merged into the list entry of ddpkit/testing/toy.yaml with the same class
     cpu = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path))
     result = toy("fit", "--config", str(tmp_path / "monitor.yaml"), *cpu, cwd=tmp_path)
     assert result.returncode != 0, result.stdout[-3000:]
@@ -306,11 +307,12 @@ def test_ckpt_path_auto_resumes_the_furthest_checkpoint_or_starts(tmp_path, caps
         resolve_ckpt_path({"ckpt_path": "auto", "trainer": {"default_root_dir": str(tmp_path)}}, "validate")
 
 
-# Switches the toy's data class (ToyData in ddpkit/toy.yaml: global_batch_size 64, train_size 1079) to families.py's
-# SmallToyData (defaults 32 and 128) three ways, building model, data and trainer only; prints what the data got.
+# Switches the toy's data class (ToyData in ddpkit/testing/toy.yaml: global_batch_size 64, train_size 1079) to
+# families.py's SmallToyData (defaults 32 and 128) three ways, building model, data and trainer only; prints what the
+# data got.
 CLASS_SWITCH = """
 import sys
-from ddpkit.toy import main
+from ddpkit.testing.toy import main
 cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false"]
 for args in (["--config", sys.argv[1]], ["--data", "families.SmallToyData"], ["--config", sys.argv[1], *sys.argv[2:]]):
     data = main([*args, *cpu], run=False).datamodule
@@ -328,7 +330,8 @@ def test_a_class_switch_that_keeps_the_default_configs_values_is_warned(tmp_path
     assert result.returncode == 0, result.stdout[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(("warning: --data", "DATA"))]
     kept = (
-        "global_batch_size=64 (its default: 32), train_size=1079 (its default: 128) from ddpkit.toy.ToyData in toy.yaml"
+        "global_batch_size=64 (its default: 32), train_size=1079 (its default: 128) "
+        "from ddpkit.testing.toy.ToyData in toy.yaml"
     )
     assert lines == [
         f"warning: --data families.SmallToyData keeps {kept}: arguments of the same name carry over when the class "

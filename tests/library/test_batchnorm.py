@@ -1,4 +1,4 @@
-"""BatchNorm synchronized over gloo (ddpkit.batchnorm): 2 CPU processes, each holding part of a batch, compute
+"""BatchNorm synchronized over gloo (ddpkit.model.batchnorm): 2 CPU processes, each holding part of a batch, compute
 what 1 process holding the whole batch computes with plain nn.BatchNorm, in training, in eval and through the CLI."""
 
 import copy
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from ddpkit import GlobalBatchDataModule
-from ddpkit.batchnorm import GlobalBatchNorm, SyncBatchNormAnyDevice, unsynced_batchnorm_warning
+from ddpkit.model.batchnorm import GlobalBatchNorm, SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from ddpkit.parity import diff, load_weights, max_abs
 from ddpkit.testing.helpers import finish, start
 
@@ -281,7 +281,7 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
 """
-MAIN = "from pathlib import Path\nfrom ddpkit.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
+MAIN = "from pathlib import Path\nfrom ddpkit.run.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
 
 
 @early.early("batchnorm_cli_runs")
@@ -294,7 +294,7 @@ def _cli_runs(base: Path) -> tuple[Path, dict]:
     runs = {
         "1": ["--trainer.devices", "1"],
         "2": ["--trainer.devices", "2", "--trainer.sync_batchnorm", "true"],
-        "plugin": ["--trainer.devices", "2", "--trainer.plugins", "ddpkit.batchnorm.SyncBatchNormAnyDevice"],
+        "plugin": ["--trainer.devices", "2", "--trainer.plugins", "ddpkit.model.batchnorm.SyncBatchNormAnyDevice"],
         "unsynced": ["--trainer.devices", "2", "--trainer.max_steps", "1"],
     }
     procs = {

@@ -29,12 +29,12 @@ from ddpkit.parity import max_abs, weight_diffs
 from ddpkit.testing.fake_cluster import free_port
 
 CLUSTER = Path(__file__).resolve().parents[2] / "{{cookiecutter.project_slug}}" / "cluster"
-MAIN = "from ddpkit.toy import main\nmain()\n"  # a project's main.py, on the library's toy
+MAIN = "from ddpkit.testing.toy import main\nmain()\n"  # a project's main.py, on the library's toy
 STEPS_PER_EPOCH = 8  # 512 training samples in global batches of 64
 KILL_AT = STEPS_PER_EPOCH + 3  # in epoch 1, after epoch 0's last.ckpt (written at its validation)
 # Float64, 2 epochs; the model touches `marker` from step KILL_AT on. FaultyClassifier is the toy's MLP.
 FIT = [
-    *("--model", "ddpkit.toy.FaultyClassifier", "--model.fault_step", str(KILL_AT)),
+    *("--model", "ddpkit.testing.toy.FaultyClassifier", "--model.fault_step", str(KILL_AT)),
     *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
     *("--data.train_size", "512", "--trainer.enable_progress_bar", "false", "--doctor.enabled", "false"),
     *("--dist_timeout", "60", "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe"),
@@ -89,7 +89,7 @@ def elastic_job(root: Path) -> tuple[list[int], str, Path]:
     marker = root / "marker"
     cmd = ["bash", str(CLUSTER / "torchrun.sh"), *FIT, "--model.step_sleep", "0.5", "--model.marker", str(marker)]
     # MLflow beside TensorBoard, its file store in the agents' directory (root/mlruns): one run across the restart.
-    cmd += ["--trainer.default_root_dir", str(root / "run"), "--trainer.logger+=ddpkit.trackers.MLFlowLogger"]
+    cmd += ["--trainer.default_root_dir", str(root / "run"), "--trainer.logger+=ddpkit.run.trackers.MLFlowLogger"]
     procs = agents(cmd, root, [env, env])
     deadline = time.monotonic() + TIMEOUT
     while not marker.exists() and time.monotonic() < deadline and procs[1].poll() is None:

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ddpkit.diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, summarize
-from ddpkit.gap import EFFICIENCY_LINE, PARTS, explain, predict, ring_allreduce_ms
-from ddpkit.record import DoctorRecord, SchemaError
+from ddpkit.scaling.diagnosis import FIELDS, Thresholds, covered_seconds, diagnose, summarize
+from ddpkit.scaling.gap import EFFICIENCY_LINE, PARTS, explain, predict, ring_allreduce_ms
+from ddpkit.scaling.record import DoctorRecord, SchemaError
 
 
 def rank(
@@ -260,7 +260,7 @@ def test_loader_share_is_of_the_step_without_the_wait_for_a_cpu():
     assert [f["cause"] for f in diagnose(s, Thresholds())] == ["data-bound", "host-contention"]
 
 
-# ---- the record (ddpkit/record.py) ----------------------------------------------------------------------------
+# ---- the record (ddpkit/scaling/record.py) -------------------------------------------------------------------
 def test_record_round_trips_through_its_dict():
     """A record written as doctor.json's dict reads back equal, ranks typed, under schema 3."""
     s = run(rank(peak_mb=500), rank(peak_mb=750, comm_wait_ms=2), comm_step_min_ms=4.0)

@@ -1,4 +1,4 @@
-"""The scaling doctor (ddpkit.doctor) in real 2-process runs of the toy model whose cause of poor scaling is
+"""The scaling doctor (ddpkit.scaling.doctor) in real 2-process runs of the toy model whose cause of poor scaling is
 known (doctor_cases.py); the sweep (`python -m ddpkit.scaling`), the overhead. The preflight: test_preflight.py."""
 
 import json
@@ -12,14 +12,14 @@ import pytest
 from netns import two_hosts
 from procs import ON_PATH, TESTS, concurrently, kill, toy_ok
 
-from ddpkit.diagnosis import Thresholds
-from ddpkit.record import DoctorRecord, RankRecord
-from ddpkit.scaling import SWEEP_MARKER
+from ddpkit.scaling.diagnosis import Thresholds
+from ddpkit.scaling.record import DoctorRecord, RankRecord
+from ddpkit.scaling.sweeper import SWEEP_MARKER
 
 # Every test here times runs (the doctor's verdicts rest on timings): they run first, alone (tests/conftest.py).
 pytestmark = pytest.mark.timing
 
-SCALING = [sys.executable, "-m", "ddpkit.scaling", "--main", "ddpkit.toy"]
+SCALING = [sys.executable, "-m", "ddpkit.scaling", "--main", "ddpkit.testing.toy"]
 # Two CPU processes, a few steps, nothing printed or checked that the doctor does not need.
 FIT = (
     "fit",
@@ -76,7 +76,7 @@ def causes(tmp_path_factory) -> dict[str, tuple[dict, str]]:
     return concurrently(fit, CAUSES)
 
 
-# A streaming loader (ddpkit.streaming) whose shard reader sleeps 8 ms per sample, in 2 workers per rank: each
+# A streaming loader (ddpkit.data.streaming) whose shard reader sleeps 8 ms per sample, in 2 workers per rank: each
 # worker reads 2 streams x 2 samples per step, ~32 ms of reading against a step of a few ms.
 STREAM = ("--data", "streams.SlowShards", "--data.global_batch_size", "16", "--data.num_workers", "2")
 
@@ -174,7 +174,7 @@ def networked(causes, tmp_path_factory) -> tuple[DoctorRecord, str]:
         for rank, host in enumerate(hosts):
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
             torchrun += ["--node_rank", str(rank), "--master_addr", hosts[0].address, "--master_port", port]
-            cmd = ["ip", "netns", "exec", host.netns, *torchrun, "-m", "ddpkit.toy", *FIT, *NETWORKED]
+            cmd = ["ip", "netns", "exec", host.netns, *torchrun, "-m", "ddpkit.testing.toy", *FIT, *NETWORKED]
             cmd += ["--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.default_root_dir", str(base)]
             env = {**os.environ, **ON_PATH, "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
             log = (base / f"node{rank}.log").open("w")
@@ -312,11 +312,11 @@ def test_overhead_is_small():
 def test_sweep_runs_the_projects_main_or_the_one_named(tmp_path, monkeypatch):
     """`python -m ddpkit.scaling` runs ./main.py from the project's root, a `--main` file, or a `--main` module
     with `python -m`; without a main.py it stops with one error line before any run."""
-    from ddpkit.scaling import main_command
+    from ddpkit.scaling.sweeper import main_command
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match="^error: no main.py here: run from the project's root"):
         main_command("main.py")
     (tmp_path / "main.py").touch()
     assert main_command("main.py") == [sys.executable, str(tmp_path / "main.py")]
-    assert main_command("ddpkit.toy") == [sys.executable, "-m", "ddpkit.toy"]
+    assert main_command("ddpkit.testing.toy") == [sys.executable, "-m", "ddpkit.testing.toy"]

@@ -12,10 +12,10 @@ import torch
 from procs import concurrently, toy_ok
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit import scaling
-from ddpkit.doctor import ScalingDoctor
-from ddpkit.gap import PARTS, global_batch
-from ddpkit.record import DoctorRecord
+from ddpkit.scaling import sweeper as scaling
+from ddpkit.scaling.doctor import ScalingDoctor
+from ddpkit.scaling.gap import PARTS, global_batch
+from ddpkit.scaling.record import DoctorRecord
 
 LOAD_MS, COMPUTE_MS = 10, 20  # slept per loader batch, per training_step: lower bounds whatever the host's load
 

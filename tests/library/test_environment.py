@@ -11,9 +11,9 @@ import sys
 import pytest
 from jsonargparse import Namespace
 
-from ddpkit.cli import BadInput, main, match_torchrun, place_loggers, requeued_run
-from ddpkit.trackers import RUN_IDS, continue_trackers
-from ddpkit.tune_run import trial_env
+from ddpkit.run.cli import BadInput, main, match_torchrun, place_loggers, requeued_run
+from ddpkit.run.trackers import RUN_IDS, continue_trackers
+from ddpkit.tune.run import trial_env
 
 pytestmark = pytest.mark.environ
 
@@ -97,7 +97,7 @@ def test_a_requeued_slurm_job_continues_the_trackers_of_its_job_id_directory(tmp
 
     entries = [
         ("lightning.pytorch.loggers.TensorBoardLogger", {"save_dir": str(tmp_path), "name": "lightning_logs"}),
-        ("ddpkit.trackers.MLFlowLogger", {"run_id": None}),
+        ("ddpkit.run.trackers.MLFlowLogger", {"run_id": None}),
     ]
     requeued = Namespace(default_root_dir=str(tmp_path))
     requeued.logger = [Namespace(class_path=c, init_args=Namespace(**a, version=None)) for c, a in entries]
@@ -139,7 +139,7 @@ def test_cli_defaults_a_variable_unless_the_user_set_it(tmp_path, monkeypatch, c
 # ---- the guard ----------------------------------------------------------------------------------------------------
 def test_a_variable_set_by_a_test_while_jobs_run_fails(monkeypatch, tmp_path):
     """Once background jobs have started (faked here: this module runs before them), a test that sets or removes a
-    variable fails, naming it, and os.environ stays as it was; a variable that library code sets (ddpkit.cli's
+    variable fails, naming it, and os.environ stays as it was; a variable that library code sets (ddpkit.run.cli's
     TQDM_MINITERS, as every run of the CLI does) is set."""
     import early
 

@@ -1,7 +1,7 @@
 """Faults in a 2-process job: it ends non-zero, names the rank, leaves no process behind, and keeps its checkpoints;
 a hang says where each rank was.
 
-The scenarios are the ones `python -m ddpkit.faults` runs (ddpkit.toy.FaultyClassifier injects them); the
+The scenarios are the ones `python -m ddpkit.faults` runs (ddpkit.testing.toy.FaultyClassifier injects them); the
 process-group timeout is 20 s here instead of 300 s, 10 s for the hangs (all they do is wait for it).
 """
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from procs import concurrently, toy_ok
 
-from ddpkit import toy
-from ddpkit.faults import checkpoint_ok, run_scenario
-from ddpkit.hang import RankDump
 from ddpkit.parity import max_abs
+from ddpkit.run.faults import checkpoint_ok, run_scenario
+from ddpkit.run.hang import RankDump
+from ddpkit.testing import toy
 
 TIMEOUT = 20  # --dist_timeout of the runs
 HANG_TIMEOUT = 10  # of the hangs; a step of the toy takes milliseconds, far below it even on a loaded runner
@@ -136,7 +136,7 @@ def resume(results: dict, base: Path) -> dict:
     """The run stopped by SIGTERM mid-epoch resumed from the file it named, the run killed in epoch 1 resumed
     with `--ckpt_path last` in its own directory, and a run never stopped: {name: (last.ckpt, output)}."""
     base.mkdir()
-    common = ["fit", "--model", "ddpkit.toy.FaultyClassifier"]
+    common = ["fit", "--model", "ddpkit.testing.toy.FaultyClassifier"]
     common += ["--trainer.accelerator", "cpu", "--trainer.devices", "2"]
     common += ["--trainer.max_steps", str(STEPS)]
     common += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]

@@ -13,8 +13,9 @@ from data_families import TextData, UnseededShuffleData, pad_to_longest
 from torch.utils.data import Dataset
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of the checks imported below
-from ddpkit.sampling import GlobalBatchSampler, ResumableLoader
-from ddpkit.streaming import LocalShard, ShardSequence, StreamLoader
+from ddpkit.data.sampling import GlobalBatchSampler, ResumableLoader
+from ddpkit.data.shards import LocalShard, ShardSequence
+from ddpkit.data.streaming import StreamLoader
 from ddpkit.testing import fingerprints
 from ddpkit.testing.check_data import data_gate
 from ddpkit.testing.fingerprints import (

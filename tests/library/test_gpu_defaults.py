@@ -8,9 +8,9 @@ import torch
 from lightning.pytorch import LightningModule
 from streams import write_shards
 
-from ddpkit import streaming
-from ddpkit.streaming import StreamingDataModule, shard_files
-from ddpkit.toy import main
+from ddpkit.data import streaming
+from ddpkit.data.streaming import StreamingDataModule, shard_files
+from ddpkit.testing.toy import main
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The hang report's reading of the dumps (ddpkit/hang.py), on dumps written by hand; the real hangs, on 2
+"""The hang report's reading of the dumps (ddpkit/run/hang.py), on dumps written by hand; the real hangs, on 2
 processes: test_faults.py."""
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit import hang
-from ddpkit.hang import Collective, Frame, RankDump
+from ddpkit.run import hang
+from ddpkit.run.hang import Collective, Frame, RankDump
 
 TORCH = str(Path(torch.__file__).parent.resolve())
 USER = "/project/src/model.py"
@@ -57,8 +57,8 @@ def test_a_dump_without_collectives_says_why(tmp_path, monkeypatch, records):
 SIGTERM_AFTER_DUMP = """
 import os, signal, sys, time
 from pathlib import Path
-from ddpkit import hang
-from ddpkit.stop import GracefulStop
+from ddpkit.run import hang
+from ddpkit.run.stop import GracefulStop
 
 hang.arm(Path(sys.argv[1]), 0, 1)
 signal.signal(signal.SIGTERM, GracefulStop()._request)  # as in training

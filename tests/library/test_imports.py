@@ -13,14 +13,14 @@ UNNEEDED = ("torch", "lightning")
 
 
 def test_the_sweeps_driver_imports_neither_torch_nor_lightning():
-    code = f"import sys, ddpkit.scaling; print([m for m in {UNNEEDED!r} if m in sys.modules])"
+    code = f"import sys, ddpkit.scaling.sweeper; print([m for m in {UNNEEDED!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_tuning_worker_imports_neither_torch_nor_lightning():
     """`python -m ddpkit.tune` runs trials as processes of their own: its start and its --help pay no torch."""
-    code = f"import sys, ddpkit.tune; print([m for m in {UNNEEDED!r} if m in sys.modules])"
+    code = f"import sys, ddpkit.tune.search; print([m for m in {UNNEEDED!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -43,6 +43,6 @@ def test_every_public_name_comes_from_the_package():
     assert sorted(ddpkit.__all__) == sorted(set(ddpkit.__all__))
     for name in ddpkit.__all__:
         assert getattr(ddpkit, name) is not None, name
-    assert ddpkit.GlobalBatchDataModule.__module__ == "ddpkit.data"
+    assert ddpkit.GlobalBatchDataModule.__module__ == "ddpkit.data.global_batch"
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         ddpkit.no_such_name  # noqa: B018

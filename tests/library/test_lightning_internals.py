@@ -9,8 +9,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from packaging.version import Version
 from lightning.pytorch.strategies import DDPStrategy
+from packaging.version import Version
 from torch.distributed.constants import default_pg_timeout
 
 from ddpkit import lightning_internals as internals
@@ -183,7 +183,7 @@ def test_flight_recorder_and_store_of_a_process_group(tmp_path, monkeypatch):
     """With TORCH_FR_BUFFER_SIZE as the CLI sets it, the flight recorder lists each collective of a gloo group with
     its sequence number and kind, newest last (torch 2.8 on; before, it lists none); the default store holds what a
     rank sets (hang.py's addresses)."""
-    from ddpkit.hang import FLIGHT_RECORDER_ENV
+    from ddpkit.run.hang import FLIGHT_RECORDER_ENV
 
     if FLIGHT_RECORDER_ENV[0] not in os.environ:
         monkeypatch.setenv(*FLIGHT_RECORDER_ENV)
@@ -224,7 +224,7 @@ def test_fully_shard_shards_on_every_supported_torch(tmp_path):
     it runs (torch 2.6 on), and fails for want of CUDA before."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ddpkit.sharding import shards_on_cpu
+    from ddpkit.model.sharding import shards_on_cpu
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -3,7 +3,7 @@
 One job starts with the session (early.py, "lr_finder_runs"), in a project baked with the defaults: the finder on
 the digits example in float64 on 1 device and on 2 CPU processes x 2 micro-batches (the same global batch of 64),
 and, on the library's toy CLI, the finder on a module with two optimizers (tests/library/gan.py), which it refuses.
-The callback itself (ddpkit.lr_sweep.LRSweep) is also run in this process on a small module, with a schedule,
+The callback itself (ddpkit.tune.lr_sweep.LRSweep) is also run in this process on a small module, with a schedule,
 two parameter groups and 2 micro-batches a step.
 """
 
@@ -24,13 +24,13 @@ from procs import finish, start
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit import lr_finder
-from ddpkit.cli import main as run_cli
-from ddpkit.lr_finder import diverged, lr_keys, smooth, suggestion, sweep_lr
-from ddpkit.lr_sweep import LRSweep, SweepError
-from ddpkit.scaling import SWEEP_MARKER
+from ddpkit.run.cli import main as run_cli
+from ddpkit.scaling.sweeper import SWEEP_MARKER
+from ddpkit.tune import lr_finder
+from ddpkit.tune.lr_curve import diverged, lr_keys, smooth, suggestion, sweep_lr
+from ddpkit.tune.lr_sweep import LRSweep, SweepError
 
-FINDER = [sys.executable, "-m", "ddpkit.lr_finder"]
+FINDER = [sys.executable, "-m", "ddpkit.tune.lr_finder"]
 TIMEOUT = 300
 FLOAT64 = ["--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.enable_progress_bar", "false"]
 # 1 vs 2 devices x 2 micro-batches, float64: the largest relative difference of any step's loss was 5.5e-15 over seeds
@@ -54,7 +54,7 @@ def _lr_finder_runs(base: Path) -> dict:
             [
                 *FINDER,
                 "--main",
-                "ddpkit.toy",
+                "ddpkit.testing.toy",
                 "--out",
                 "gan",
                 "--",
@@ -176,7 +176,7 @@ def test_a_fit_past_the_timeout_is_killed_with_one_error_line(tmp_path, monkeypa
     """--timeout kills the fit's whole session and says so; status 1 (a failure, not bad input)."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
-        lr_finder.main(["--main", "ddpkit.toy", "--timeout", "0.5"])
+        lr_finder.main(["--main", "ddpkit.testing.toy", "--timeout", "0.5"])
     err = capsys.readouterr().err
     assert (
         exit_.value.code == 1
@@ -259,7 +259,7 @@ def test_two_optimizers_stop_the_fit_before_any_step(tmp_path):
 
 def test_the_command_imports_neither_torch_nor_lightning():
     """`python -m ddpkit.lr_finder` runs the sweep as a fit of its own: its start and its --help pay no torch."""
-    code = "import sys, ddpkit.lr_finder; print([m for m in ('torch', 'lightning') if m in sys.modules])"
+    code = "import sys, ddpkit.tune.lr_finder; print([m for m in ('torch', 'lightning') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -313,7 +313,10 @@ def test_divergence_is_the_trailing_mean_over_factor_times_its_lowest():
             },
             ["model.init_args.optimizer.init_args.lr"],
         ),
-        ({"model": {"class_path": "ddpkit.toy.ToyClassifier", "init_args": {"lr": 0.003}}}, ["model.init_args.lr"]),
+        (
+            {"model": {"class_path": "ddpkit.testing.toy.ToyClassifier", "init_args": {"lr": 0.003}}},
+            ["model.init_args.lr"],
+        ),
         ({"model": {"class_path": "x.M", "init_args": {"lr": 0.1, "hidden_dim": 3}}}, []),  # not the optimizer's lr
         ({}, []),
     ],
@@ -342,7 +345,7 @@ def test_without_matplotlib_the_finder_names_the_extra_and_still_writes_the_sugg
     }
     config = {"model": {"init_args": {"optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}}}}}
     script = (
-        "import json, sys; from pathlib import Path; from ddpkit.lr_finder import results\n"
+        "import json, sys; from pathlib import Path; from ddpkit.tune.lr_finder import results\n"
         f"results(json.loads({json.dumps(json.dumps(record))}), {config!r}, Path('out'), 'main.py')\n"
     )
     (tmp_path / "out").mkdir()

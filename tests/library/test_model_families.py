@@ -38,8 +38,8 @@ COMMON = ["--doctor.enabled", "false", "--seed_everything", "0"]
 RESNET = ["--data", "families.ImageData", *SIZES, "--model.width", "16"]  # test_suite_on_families.py's width
 SYNC = ["--trainer.sync_batchnorm", "true"]
 # A project's main.py over the toy's config: the fork server imports the CLI once, not every run.
-MAIN = """from ddpkit.cli import main as run_cli
-from ddpkit.toy import CONFIG
+MAIN = """from ddpkit.run.cli import main as run_cli
+from ddpkit.testing.toy import CONFIG
 
 
 def main(args=None, run=True):

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-CHILD = "from ddpkit.doctor import host_peak_rss; print(host_peak_rss())"
+CHILD = "from ddpkit.scaling.doctor import host_peak_rss; print(host_peak_rss())"
 
 
 def test_a_process_started_by_a_large_one_reports_its_own_peak():

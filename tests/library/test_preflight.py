@@ -10,7 +10,7 @@ import early
 import pytest
 from procs import concurrently, fake_gpus_env
 
-SCALING = [sys.executable, "-m", "ddpkit.scaling", "--main", "ddpkit.toy"]
+SCALING = [sys.executable, "-m", "ddpkit.scaling", "--main", "ddpkit.testing.toy"]
 
 PREFLIGHTS = {  # name: (GPUs visible, fit args)
     "2 GPUs, cpu": (2, ("--trainer.accelerator", "cpu", "--data.num_workers", "3")),

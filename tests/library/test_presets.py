@@ -6,8 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddpkit import presets, toy
-from ddpkit.cli import main as cli_main
+
+from ddpkit import presets
+from ddpkit.run.cli import main as cli_main
+from ddpkit.testing import toy
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """A mid-epoch resume continues where it stopped when `configure_optimizers` reads
 `trainer.estimated_stepping_batches` (a schedule sized to the fit: OneCycleLR, WarmupCosine): Lightning 2.6.6
 builds the train loader for that estimate before it restores the checkpoint, and then drops the loader's
-saved position (Lightning issue #20550); `ddpkit.sampling.ResumeLoaderPosition`, added by the CLI, applies it."""
+saved position (Lightning issue #20550); `ddpkit.data.sampling.ResumeLoaderPosition`, added by the CLI, applies it."""
 
 import sys
 from pathlib import Path
@@ -62,10 +62,10 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
   callbacks:
-    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint
       init_args: {every_n_train_steps: 4, save_top_k: -1, monitor: null, filename: "step{step}", auto_insert_metric_name: false}
 """
-MAIN = "from pathlib import Path\nfrom ddpkit.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
+MAIN = "from pathlib import Path\nfrom ddpkit.run.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
 
 
 def fit(root: Path, *args: str) -> None:

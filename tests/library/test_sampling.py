@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ddpkit.sampling import (
+from ddpkit.data.sampling import (
     BlockSampler,
     GlobalBatchSampler,
     ResumableLoader,
     eval_sampler,
 )
-from ddpkit.toy import ToyData
+from ddpkit.testing.toy import ToyData
 
 DATA = TensorDataset(torch.arange(103))
 

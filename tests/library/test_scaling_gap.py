@@ -1,4 +1,4 @@
-"""The scaling gap (ddpkit.gap, `python -m ddpkit.scaling --explain`) on runs whose cause is known: the sleeping
+"""The scaling gap (ddpkit.scaling.gap, `python -m ddpkit.scaling --explain`) on runs whose cause is known: the sleeping
 model of sleepy.py on 1, 2, 4 and 8 CPU processes, each cause injected on its own; and the doctor's parts
 against the same work timed alone, on those runs and on a 2-rank run of the toy model (real compute)."""
 
@@ -19,15 +19,15 @@ from alone import allreduce_ms, waited_s
 from procs import ON_PATH, TOY, kill
 from sleepy import SleepyData
 
-from ddpkit.gap import (
+from ddpkit.scaling.gap import (
     EFFICIENCY_LINE,
     components,
     explain,
     measured_without_cpu_wait,
     predict,
 )
-from ddpkit.record import DoctorRecord
-from ddpkit.toy import ToyData
+from ddpkit.scaling.record import DoctorRecord
+from ddpkit.testing.toy import ToyData
 
 pytestmark = pytest.mark.timing  # they run first, alone (tests/conftest.py)
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddpkit.schedules import WarmupCosine, optimization
+from ddpkit.model.schedules import WarmupCosine, optimization
 
 
 def lrs(warmup: int, total: int | None, steps: int, min_lr_ratio: float = 0.1) -> list[float]:

@@ -1,4 +1,4 @@
-"""The source adapters (ddpkit.sources) turn LitData, WebDataset and `datasets` data, built here, into shards whose
+"""The source adapters (ddpkit.data.sources) turn LitData, WebDataset and `datasets` data, built here, into shards whose
 lengths are exact and whose `read(start)` is the tail of `read(0)`: what the streaming module's promises rest on."""
 
 import importlib
@@ -7,11 +7,11 @@ import pickle
 import sys
 
 import pytest
+from streams import optimize_litdata
 from torch.utils.data import DataLoader, IterableDataset
 
-import ddpkit
-from ddpkit import sources, streaming
-from streams import optimize_litdata
+import ddpkit.data
+from ddpkit.data import sources, streaming
 
 N = 301  # samples in every source, numbered 0..N-1 in the order they are written
 
@@ -31,12 +31,13 @@ def check_shards(shards, sample_id, lengths):
 
 
 def test_imports_without_the_libraries(monkeypatch):
-    """ddpkit.sources imports with none of the adapters' libraries installed; an adapter then says which is missing."""
+    """ddpkit.data.sources imports with none of the adapters' libraries installed; an adapter then says which is
+    missing."""
     for name in ("litdata", "webdataset", "datasets"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
-    monkeypatch.delitem(sys.modules, "ddpkit.sources")
-    monkeypatch.setattr(ddpkit, "sources", sources)  # put back after the test, as the new import rebinds it
-    bare = importlib.import_module("ddpkit.sources")
+    monkeypatch.delitem(sys.modules, "ddpkit.data.sources")
+    monkeypatch.setattr(ddpkit.data, "sources", sources)  # put back after the test, as the new import rebinds it
+    bare = importlib.import_module("ddpkit.data.sources")
     with pytest.raises(ImportError, match="litdata"):
         bare.litdata_shards("data")
 

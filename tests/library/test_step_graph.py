@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from procs import TESTS, run, toy
 
 from ddpkit import lightning_internals
-from ddpkit.strategy import TimedDDPStrategy
+from ddpkit.run.strategy import TimedDDPStrategy
 
 # What `python main.py fit` runs with: config.yaml's checkpoint callback, the doctor, the CLI's own (toy.yaml has
 # config.yaml's shape), and Lightning's progress bar and model summary (Rich's or TQDM's, whichever is installed).

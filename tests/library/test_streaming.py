@@ -1,10 +1,10 @@
-"""The streaming data module (ddpkit.streaming) on shards of unequal sizes, in real CPU runs (streams.py): every
+"""The streaming data module (ddpkit.data.streaming) on shards of unequal sizes, in real CPU runs (streams.py): every
 sample of an epoch trained once over the ranks, the same steps on every rank, the global batches and the weights
 of 1 device on 2, and a job killed with SIGKILL mid-epoch resumed on 2 and on 1 device ending with the
 uninterrupted weights. Four launches: a 1-device reference on local .pt shards, and a 2-device job killed in
 epoch 1, then its two resumes, on the same samples read through every reader: of the 12 shards, 3 are .pt
 files, 3 WebDataset tars, 3 Parquet files read as a streaming `datasets` dataset and 3 chunks of a
-`litdata.optimize` dataset (ddpkit.sources), so each check above holds for each adapter, with loader workers.
+`litdata.optimize` dataset (ddpkit.data.sources), so each check above holds for each adapter, with loader workers.
 A reader whose library is not installed reads .pt files instead (test_the_2_device_runs_read_every_adapter
 skips, naming it)."""
 
@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ddpkit import GlobalBatchDataModule
-from ddpkit.parity import load_weights, max_abs
-from ddpkit.streaming import StreamingDataModule, StreamLoader, same_batches_every_epoch, shard_files
 from procs import concurrently, finish, start
 from streams import READERS, SIZES, UnevenShards, write_shards
 from torch.utils.data import IterableDataset
+
+from ddpkit import GlobalBatchDataModule
+from ddpkit.data.streaming import StreamingDataModule, StreamLoader, same_batches_every_epoch, shard_files
+from ddpkit.parity import load_weights, max_abs
 
 GLOBAL_BATCH = 32
 STEPS_PER_EPOCH = sum(SIZES) // GLOBAL_BATCH  # 12: 385 samples, 1 left over each epoch
@@ -47,7 +48,7 @@ trainer:
   enable_model_summary: false
   num_sanity_val_steps: 0
   callbacks:
-    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint
       init_args:
         every_n_train_steps: 3
         save_top_k: -1
@@ -55,7 +56,7 @@ trainer:
         filename: "step{{step}}"
         auto_insert_metric_name: false
 """
-MAIN = "from pathlib import Path\nfrom ddpkit.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
+MAIN = "from pathlib import Path\nfrom ddpkit.run.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
 
 
 def launch(base: Path, name: str, devices: int, *args: str):
@@ -257,7 +258,8 @@ def test_global_batch_module_given_an_iterable_dataset_points_to_streaming(strea
             return stream()
 
     with pytest.raises(
-        TypeError, match=f"returned {stream.__name__}, an iterable dataset: .* ddpkit.streaming.StreamingDataModule"
+        TypeError,
+        match=f"returned {stream.__name__}, an iterable dataset: .* ddpkit.data.streaming.StreamingDataModule",
     ):
         Data(global_batch_size=2).setup("fit")
 

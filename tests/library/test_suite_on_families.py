@@ -30,7 +30,7 @@ from ddpkit.testing.runs import Run
 
 MAIN = """from pathlib import Path
 
-from ddpkit.cli import main as run_cli
+from ddpkit.run.cli import main as run_cli
 
 
 def main(args=None, run=True):
@@ -40,7 +40,7 @@ def main(args=None, run=True):
 if __name__ == "__main__":
     main()
 """
-# A baked project's config.yaml (ddpkit/toy.yaml's shape) pointed at a family: 4 global batches of 32 an epoch,
+# A baked project's config.yaml (ddpkit/testing/toy.yaml's shape) pointed at a family: 4 global batches of 32 an epoch,
 # 37 validation and test samples (the ranks' shares differ).
 CONFIG = """seed_everything: {seed}
 dist_timeout: 300
@@ -52,7 +52,7 @@ trainer:
   logger:
     - class_path: lightning.pytorch.loggers.TensorBoardLogger
   callbacks:
-    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint
       init_args:
         monitor: val/acc
         mode: max

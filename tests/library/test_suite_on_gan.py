@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 MAIN = """\
 from pathlib import Path
 
-from ddpkit.cli import main as run_cli
+from ddpkit.run.cli import main as run_cli
 
 
 def main(args=None, run=True):
@@ -47,7 +47,7 @@ trainer:
   logger:
     - class_path: lightning.pytorch.loggers.TensorBoardLogger
   callbacks:
-    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint
       init_args:
         monitor: val/d_loss
         mode: min
@@ -217,8 +217,8 @@ def test_a_run_that_ends_through_os_exit_is_reported_at_once_with_its_error(proj
     """A forked run that fails on ddpkit's error path (an exception in the training step: one `error:` line, then
     os._exit) ends with its status, 1, and its error as the headline, instead of being waited out to the timeout
     and reported as "timed out" (it wrote no status before the waiter did)."""
-    fault = ["--model", "ddpkit.toy.FaultyClassifier", "--model.fault", "raise", "--model.fault_rank", "0"]
-    fault += ["--model.fault_step", "0", "--data", "ddpkit.toy.ToyData", "--trainer.max_steps", "2"]
+    fault = ["--model", "ddpkit.testing.toy.FaultyClassifier", "--model.fault", "raise", "--model.fault_rank", "0"]
+    fault += ["--model.fault_step", "0", "--data", "ddpkit.testing.toy.ToyData", "--trainer.max_steps", "2"]
     fault += ["--trainer.num_sanity_val_steps", "0"]  # the GAN project monitors a metric the toy does not log
     args = ["fit", *fault, "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
     result = helpers.run_main(*args, cwd=tmp_path, timeout=120, log=tmp_path / "crash.log")

@@ -8,7 +8,7 @@ import pytest
 from procs import run
 
 MAIN = """from pathlib import Path
-from ddpkit.cli import main as run_cli
+from ddpkit.run.cli import main as run_cli
 
 
 def main(args=None, run=True):
@@ -16,8 +16,8 @@ def main(args=None, run=True):
 """
 CONFIG = """seed_everything: 42
 trainer: {accelerator: cpu, strategy: ddp, devices: 1, logger: false}
-model: {class_path: ddpkit.toy.ToyClassifier}
-data: {class_path: ddpkit.toy.PlainToyData}
+model: {class_path: ddpkit.testing.toy.ToyClassifier}
+data: {class_path: ddpkit.testing.toy.PlainToyData}
 """
 PYTEST = '[tool.pytest.ini_options]\ntestpaths = ["tests"]\npythonpath = ["."]\n'
 

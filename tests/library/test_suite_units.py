@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ddpkit.parity import diff, max_abs, over_bound, report
 from ddpkit.parity import main as compare_main
-from ddpkit.requeue import next_hpc_checkpoint
+from ddpkit.run.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.testing.check_parity import (
     BOUNDS,
@@ -48,12 +49,12 @@ def test_max_abs_is_the_largest_difference_of_any_tensor_and_nan_never_passes():
     assert not max_abs(a, b | {"w": torch.tensor([0.0, float("nan")], dtype=torch.float64)}) < 1.0
 
 
-# Builds the trainer (run=False) of the library's toy config (ddpkit/toy.yaml) for three ways of naming the strategy;
-# prints each one's collective timeout. In a subprocess: building a Trainer sets up its environment.
+# Builds the trainer (run=False) of the library's toy config (ddpkit/testing/toy.yaml) for three ways of naming the
+# strategy; prints each one's collective timeout. In a subprocess: building a Trainer sets up its environment.
 TIMEOUTS = """
-from ddpkit.cli import main
+from ddpkit.run.cli import main
 from ddpkit.lightning_internals import ddp_timeout
-from ddpkit.toy import CONFIG
+from ddpkit.testing.toy import CONFIG
 
 cpu = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false", "--dist_timeout", "20"]
 ddp = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"]

@@ -14,7 +14,7 @@ import yaml
 from jsonargparse import Namespace
 from procs import TOY, finish, kill, start
 
-from ddpkit.trackers import RUN_IDS, continue_trackers
+from ddpkit.run.trackers import RUN_IDS, continue_trackers
 
 pytest.importorskip("mlflow", reason="the trackers extra: pip install 'ddpkit[trackers]'")
 pytest.importorskip("wandb", reason="the trackers extra: pip install 'ddpkit[trackers]'")
@@ -28,11 +28,11 @@ COMMAND = [
     "--trainer.max_steps", str(STEPS),
     "--trainer.log_every_n_steps", "1",  # LearningRateMonitor logs lr-AdamW at every step: one point per step
     "--trainer.enable_progress_bar", "false",
-    "--trainer.logger+=ddpkit.trackers.MLFlowLogger",
-    "--trainer.logger+=ddpkit.trackers.WandbLogger",
+    "--trainer.logger+=ddpkit.run.trackers.MLFlowLogger",
+    "--trainer.logger+=ddpkit.run.trackers.WandbLogger",
     "--doctor.enabled", "false",
     "--stop_check_every_n_steps", "2",
-    "--model", "ddpkit.toy.FaultyClassifier",
+    "--model", "ddpkit.testing.toy.FaultyClassifier",
     "--model.step_sleep", "0.1",  # time for the signal to land mid-epoch
     "--model.fault_step", "6",  # from step 6 on, every step touches the marker
 ]  # fmt: skip
@@ -143,9 +143,9 @@ def test_restart_gives_the_saved_ids_only_to_trackers_that_name_no_run(tmp_path)
     (tmp_path / RUN_IDS).write_text(json.dumps({"mlflow": "m1", "wandb": "w1"}))
     entries = [
         ("lightning.pytorch.loggers.TensorBoardLogger", {"version": None}),
-        ("ddpkit.trackers.MLFlowLogger", {"run_id": None}),
-        ("ddpkit.trackers.WandbLogger", {"id": None, "version": None}),
-        ("ddpkit.trackers.WandbLogger", {"id": "mine", "version": None}),
+        ("ddpkit.run.trackers.MLFlowLogger", {"run_id": None}),
+        ("ddpkit.run.trackers.WandbLogger", {"id": None, "version": None}),
+        ("ddpkit.run.trackers.WandbLogger", {"id": "mine", "version": None}),
         ("lightning.pytorch.loggers.MLFlowLogger", {"run_id": None}),
     ]
     trainer = Namespace(logger=[Namespace(class_path=c, init_args=Namespace(**a)) for c, a in entries])

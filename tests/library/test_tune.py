@@ -35,20 +35,20 @@ from postgres import server
 from procs import finish, start, toy_ok
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of check_parity, imported below
-from ddpkit import tune
-from ddpkit.cli import newest_last_checkpoint
 from ddpkit.parity import over_bound, read_csv_scalars, report, scalar_diffs, weight_diffs
-from ddpkit.scaling import SWEEP_MARKER
-from ddpkit.study import HEARTBEAT, NOTE, RETRY_OF, BadInput, Space, fail_stale, open_storage, open_study, surplus
+from ddpkit.run.cli import newest_last_checkpoint
+from ddpkit.scaling.sweeper import SWEEP_MARKER
 from ddpkit.testing.check_parity import BOUNDS
 from ddpkit.testing.fake_cluster import free_port, sbatch_options, slurm_array_env
-from ddpkit.tune_devices import Claim
-from ddpkit.tune_report import fmt
-from ddpkit.tune_space import argument
-from ddpkit.tune_worker import Worker, run_one, stop, work
+from ddpkit.tune import search as tune
+from ddpkit.tune.devices import Claim
+from ddpkit.tune.report import fmt
+from ddpkit.tune.space import argument
+from ddpkit.tune.study import HEARTBEAT, NOTE, RETRY_OF, BadInput, Space, fail_stale, open_storage, open_study, surplus
+from ddpkit.tune.worker import Worker, run_one, stop, work
 
 SCRIPT = Path(__file__).resolve().parents[2] / "{{cookiecutter.project_slug}}" / "cluster" / "tune.sbatch"
-TUNE = [sys.executable, "-m", "ddpkit.tune", "--main", "ddpkit.toy"]
+TUNE = [sys.executable, "-m", "ddpkit.tune", "--main", "ddpkit.testing.toy"]
 # A whole study's bound, for a hang to fail rather than block: the 4-trial DDP study ran 242 s in CI of 2026-12-04 and
 # 509-623 s on a machine shared by several sessions (docs/measurements.md); 600 s leaves CI twice its figure.
 TIMEOUT = 600
@@ -515,7 +515,7 @@ def refused(tmp_path: Path, capsys, argv: list[str], space: str = WORKERS_SPACE)
     os.chdir(tmp_path)
     try:
         with pytest.raises(SystemExit) as exit_:
-            tune.main(["--main", "ddpkit.toy", "--space", "space.yaml", "--trials", "2", *argv])
+            tune.main(["--main", "ddpkit.testing.toy", "--space", "space.yaml", "--trials", "2", *argv])
     finally:
         os.chdir(cwd)
     out, err = capsys.readouterr()
@@ -660,7 +660,7 @@ def test_two_workers_asking_for_the_last_trial_run_one(tmp_path):
 RACE = """
 import sys, time
 from pathlib import Path
-from ddpkit.study import open_storage
+from ddpkit.tune.study import open_storage
 while time.time() < float(sys.argv[2]):
     pass
 open_storage(sys.argv[1], Path("."))

@@ -31,13 +31,13 @@ from optuna.trial import TrialState
 from postgres import server
 from procs import finish, start
 
-from ddpkit import tune
-from ddpkit.study import NOTE, REPEAT, RETRY_OF, WORKER, BadInput, open_storage, open_study, tell
 from ddpkit.testing.fake_cluster import slurm_array_env
-from ddpkit.tune_devices import CLAIMS, claim, concurrent_trials, gpu_uuids, visible_gpus
-from ddpkit.tune_report import best_yaml
-from ddpkit.tune_run import tidy_checkpoints
-from ddpkit.tune_space import check_sets, configurations, load_space, suggest
+from ddpkit.tune import search as tune
+from ddpkit.tune.devices import CLAIMS, claim, concurrent_trials, gpu_uuids, visible_gpus
+from ddpkit.tune.report import best_yaml
+from ddpkit.tune.run import tidy_checkpoints
+from ddpkit.tune.space import check_sets, configurations, load_space, suggest
+from ddpkit.tune.study import NOTE, REPEAT, RETRY_OF, WORKER, BadInput, open_storage, open_study, tell
 
 TESTS = Path(__file__).resolve().parent
 PROJECT = TESTS.parents[1] / "{{cookiecutter.project_slug}}"
@@ -303,7 +303,7 @@ def test_grid_sampler_keeps_its_seed_so_two_workers_share_one_grid(tmp_path):
         study = studies[i % 2]
         trial = study.ask()
         drawn.append((trial.suggest_categorical("a", [1, 2]), trial.suggest_categorical("b", ["x", "y"])))
-        tell(study, trial, 1.0)  # the grid's last point: the sampler stops the study (ddpkit.study.tell)
+        tell(study, trial, 1.0)  # the grid's last point: the sampler stops the study (ddpkit.tune.study.tell)
     assert sorted(drawn) == [(1, "x"), (1, "y"), (2, "x"), (2, "y")]
 
 
@@ -404,7 +404,7 @@ def test_claims_keep_gpus_apart_and_die_with_their_holder(tmp_path):
     process that holds a pair and is killed (-9) frees it, with no file to clean up; each claim has its own port."""
     folder = tmp_path / "claims"
     code = (
-        "import sys, time; from pathlib import Path; from ddpkit.tune_devices import claim\n"
+        "import sys, time; from pathlib import Path; from ddpkit.tune.devices import claim\n"
         "held = claim(['a', 'b'], 2, Path(sys.argv[1])); print(held.gpus, flush=True); time.sleep(600)\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)

@@ -16,9 +16,9 @@ import torch
 import yaml
 
 import ddpkit
-from ddpkit import toy
-from ddpkit.cli import check_checkpoint
-from ddpkit.record import DoctorRecord
+from ddpkit.run.cli import check_checkpoint
+from ddpkit.scaling.record import DoctorRecord
+from ddpkit.testing import toy
 
 HERE = Path(__file__).resolve().parent
 LIBRARY = HERE.parents[1] / "{{cookiecutter.project_slug}}" / "vendor" / "ddpkit"  # this template's copy
@@ -28,7 +28,7 @@ MAIN = """
 import sys
 from pathlib import Path
 
-from ddpkit.cli import main
+from ddpkit.run.cli import main
 
 main(Path(__file__).with_name("config.yaml"), sys.argv[1:])
 """

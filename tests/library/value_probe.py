@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
 
-from ddpkit.toy import ToyClassifier
+from ddpkit.testing.toy import ToyClassifier
 
 
 class ValueProbe(L.Callback):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddpkit.schedules import WarmupCosine
+from ddpkit.model.schedules import WarmupCosine
 from ddpkit.testing.helpers import concurrently, run_main, run_ok
 
 PROJECT = Path(__file__).resolve().parents[2]

@@ -10,11 +10,11 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from ddpkit import throughput
+from ddpkit.model.sharding import shards_on_cpu
 from ddpkit.parity import read_scalars
-from ddpkit.sharding import shards_on_cpu
+from ddpkit.scaling import throughput
+from ddpkit.scaling.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
 from ddpkit.testing.helpers import run_ok
-from ddpkit.throughput import MFUThroughputMonitor, compute_dtype, device_peak_flops, peak_flops
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS
 from lightning.pytorch.loggers import CSVLogger
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddpkit.sharding import LayerFSDPStrategy
+from ddpkit.model.sharding import LayerFSDPStrategy
 from ddpkit.testing.helpers import run_ok
 
 from {{ cookiecutter.package_name }}.lm.gpt import Block

@@ -30,7 +30,7 @@ class DigitsClassifier(L.LightningModule):
             1e-4. Another: --model.optimizer torch.optim.SGD --model.optimizer.lr 0.1 (arguments the two
             classes share, such as weight_decay, carry over unless given).
         scheduler: A learning-rate schedule called with the optimizer, or None for a constant lr, e.g.
-            --model.scheduler ddpkit.schedules.WarmupCosine
+            --model.scheduler ddpkit.model.schedules.WarmupCosine
             --model.scheduler.warmup_steps 32 (stepped per optimizer step).
         compile: Compile the MLP with torch.compile (the first steps then wait for the compiler).
     """

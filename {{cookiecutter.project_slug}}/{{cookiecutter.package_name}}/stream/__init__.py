@@ -1,1 +1,1 @@
-"""The streaming example: the digits written as shards and streamed by `ddpkit.streaming.StreamingDataModule`."""
+"""The streaming example: the digits written as shards and streamed by `ddpkit.data.streaming.StreamingDataModule`."""

@@ -2,7 +2,7 @@
 
 `prepare_data` writes the bundled digits' train/val/test splits (the same as DigitsDataModule's) as `.pt`
 shards of unequal sizes into `shard_dir`, once; a real project's shards come from its own pipeline, or from
-`ddpkit.sources` (LitData, WebDataset, `datasets`). Training then streams them: `StreamingDataModule` reads
+`ddpkit.data.sources` (LitData, WebDataset, `datasets`). Training then streams them: `StreamingDataModule` reads
 each epoch's shards in a seeded order, the same global batches on any device count that divides `streams`,
 the same number of steps on every rank, and resumes mid-epoch where it stopped.
 """
@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from ddpkit.streaming import LocalShard, StreamingDataModule, shard_files
+from ddpkit.data.streaming import LocalShard, StreamingDataModule, shard_files
 
 from ..digits.data import DigitsDataModule
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ..parity import read_csv_scalars, read_scalars
-from ..record import DoctorRecord
+from ..scaling.record import DoctorRecord
 from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint, reads
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from ..model.sharding import shards_on_cpu
 from ..parity import weight_diffs
-from ..sharding import shards_on_cpu
 from .fake_cluster import last_weights
 from .runs import comparable, reads
 

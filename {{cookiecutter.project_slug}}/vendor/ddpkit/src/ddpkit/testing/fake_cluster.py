@@ -184,7 +184,7 @@ def torchrun_nodes_job(root: Path, args: list[str]) -> ClusterRun:
 OWN_CALLBACKS = """
 trainer:
   callbacks:
-    - class_path: ddpkit.checkpoints.CurrentModelCheckpoint
+    - class_path: ddpkit.run.checkpoints.CurrentModelCheckpoint
       init_args:
         monitor: null
         save_last: true

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader
 
-from ..streaming import ShardSequence, StreamLoader
+from ..data.shards import ShardSequence
+from ..data.streaming import StreamLoader
 
 # Samples a dataset's fingerprint reads at most: every sample of a smaller set, evenly spaced ones of a larger (for
 # shards, the first sample of evenly spaced shards: reading a shard from its start never reads through it).

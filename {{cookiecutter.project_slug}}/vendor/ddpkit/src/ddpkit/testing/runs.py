@@ -43,8 +43,8 @@ import pytest
 import torch
 
 from .. import presets
+from ..model.sharding import shards_on_cpu
 from ..parity import load_weights
-from ..sharding import shards_on_cpu
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .fake_cuda import save_as_cuda
 from .helpers import finish, headline, main_py, run_main, start
@@ -139,7 +139,7 @@ def parity_args() -> list[str]:
 def schedule_args(steps: dict) -> list[str]:
     """A warmup + cosine schedule (for a model that takes a `scheduler` argument)."""
     warmup = str(max(1, steps["steps_per_epoch"] // 2))
-    return ["--model.scheduler", "ddpkit.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
+    return ["--model.scheduler", "ddpkit.model.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
 def run_args(

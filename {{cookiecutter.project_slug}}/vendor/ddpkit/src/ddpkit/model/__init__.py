@@ -1,0 +1,3 @@
+"""What a model's own code calls: BatchNorm synced on any device (batchnorm.py), per-layer compilation
+(compiling.py) and sharding (sharding.py), the learning-rate schedule (schedules.py) and the float32 matmul
+precision (matmul.py)."""
