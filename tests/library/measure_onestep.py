@@ -23,7 +23,7 @@ import torch
 from procs import TESTS, finish, start
 
 from ddpkit.testing.check_onestep import AFTER_STEP_FACTOR, ONE_STEP_FACTOR, step_verdicts
-from ddpkit.testing.check_parity import NO_GRADIENT
+from ddpkit.testing.bounds import NO_GRADIENT
 
 SIZES = ["--data.global_batch_size", "32", "--data.train_size", "128"]
 N = 4  # global batches an epoch

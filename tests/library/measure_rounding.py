@@ -4,7 +4,7 @@
 
 For each seed: 1 device, 1 device x 4 micro-batches and 1 device with reversed batches (the suite's rounding
 references), 2 devices, all float64 (float32 with --fp32), 2 epochs of test_model_families.py's data; prints per seed 1 vs 2 devices,
-each rounding reference (check_parity.rounding), the factor 1 vs 2 needs over it, and the tensors that pass only
+each rounding reference (bounds.rounding), the factor 1 vs 2 needs over it, and the tensors that pass only
 at rounding level.
 The numbers behind ROUNDING_FACTOR in ddpkit/testing/check_parity.py (docs/measurements.md).
 """
@@ -15,8 +15,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ddpkit.parity import load_weights, weight_diffs
-from ddpkit.testing.check_parity import ROUNDING_FACTOR, rounding
+from ddpkit.parity import ROUNDING_FACTOR, load_weights, weight_diffs
+from ddpkit.testing.bounds import rounding
 from ddpkit.testing.helpers import finish, start
 
 HERE = Path(__file__).resolve().parent
@@ -40,7 +40,7 @@ def ratio(a: float, b: float) -> float:
 
 
 class Checkpoint:
-    """A finished run as check_parity.rounding reads it."""
+    """A finished run as bounds.rounding reads it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

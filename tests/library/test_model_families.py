@@ -25,11 +25,12 @@ import pytest
 from families import write_toy_shards
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of the checks imported below
-from ddpkit.testing import check_data, check_onestep, check_parity
-from ddpkit.testing import runs as suite_runs
+from ddpkit.testing import bounds, check_data, check_onestep, check_parity
+from ddpkit.testing import waves as suite_waves
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import set_project
-from ddpkit.testing.runs import ONE_STEP, Waves, plan, reference_run, shared_runs
+from ddpkit.testing.runs import ONE_STEP, Waves, plan, reference_run
+from ddpkit.testing.waves import shared_runs
 
 HERE = Path(__file__).resolve().parent
 # 4 global batches of 32 an epoch, 37 validation samples (the ranks' shares differ); no doctor (it times nothing here).
@@ -91,7 +92,7 @@ class Suite(NamedTuple):
     args: list[str]  # what its runs append (a user's PARITY_ARGS)
 
 
-# The arguments of the model whose runs this thread builds: runs.py asks for them (parity_args) when it builds a
+# The arguments of the model whose runs this thread builds: waves.py asks for them (parity_args) when it builds a
 # wave's commands, which is when a run of the wave is first asked for, in the asking thread: in the fixture for the
 # runs it starts, in a test for a run a check starts then (2dev-fp64-again). One value per process would give every
 # model's later runs the last model's arguments.
@@ -117,7 +118,7 @@ def suites(tmp_path_factory) -> Iterator[dict[str, Suite]]:
     with pytest.MonkeyPatch.context() as patch:
         # What the suite's commands append (a user's PARITY_ARGS), given to runs.py itself: a variable set in this
         # process would reach the background jobs' processes too (tests/conftest.py).
-        patch.setattr(suite_runs, "parity_args", lambda: list(BUILDING.args))
+        patch.setattr(suite_waves, "parity_args", lambda: list(BUILDING.args))
         for name, args in models.items():
             configured = describe(*COMMON, *args)
             BUILDING.args = [*COMMON, *args]
@@ -158,16 +159,16 @@ def test_streaming_data_module_passes_like_a_map_style_one(suites):
     call(check_parity.test_weights_match_1_vs_2_devices, suite)
     call(check_parity.test_logged_scalars_match_every_step, suite)
     call(check_parity.test_logged_training_values_are_global, suite)
-    call(check_parity.test_eval_metrics_count_each_sample_once, suite, stage="val")
-    call(check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, suite)
+    call(check_data.test_eval_metrics_count_each_sample_once, suite, stage="val")
+    call(check_data.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, suite)
     call(check_parity.test_gradient_accumulation_keeps_the_global_batch, suite, run="1dev-acc4-fp64")
 
 
 def weights_margin(suite: Suite) -> float:
     """How far outside the float64 weights bound 1 vs 2 devices are: the worst tensor's max_abs over its bound (a
     tensor at rounding level does not count)."""
-    bound = check_parity.fp64_bound(suite.runs, suite.steps)
-    verdicts = check_parity.judge(suite.runs["1dev-fp64"].weights(), suite.runs["2dev-fp64"].weights(), bound)
+    bound = bounds.fp64_bound(suite.runs, suite.steps)
+    verdicts = bounds.judge(suite.runs["1dev-fp64"].weights(), suite.runs["2dev-fp64"].weights(), bound)
     return max(v.diff.max_abs / v.bound for v in verdicts if not v.rounding and v.bound)
 
 
@@ -209,11 +210,11 @@ def test_evaluation_check_fails_on_an_unsynced_metric(suites, name):
     the evaluation check fails on it, by at least UNSYNCED_METRIC_MARGIN x its bound (METRIC_STATE_ROUNDING)."""
     suite = suites[name]
     with pytest.raises(AssertionError):
-        call(check_parity.test_eval_metrics_count_each_sample_once, suite, stage="val")
+        call(check_data.test_eval_metrics_count_each_sample_once, suite, stage="val")
     ranks = [suite.runs["2dev-fp64"].probe(rank=r)["val"][-1]["val/loss"] for r in (0, 1)]
     apart = abs(ranks[0] - ranks[1]) / abs(ranks[0])
     print(f"{name}: the ranks' val/loss {apart:.3g} apart")  # docs/measurements.md
-    assert apart >= UNSYNCED_METRIC_MARGIN * check_parity.METRIC_STATE_ROUNDING
+    assert apart >= UNSYNCED_METRIC_MARGIN * bounds.METRIC_STATE_ROUNDING
 
 
 def one_step_margin(suite: Suite, precision: str) -> float:
@@ -221,7 +222,7 @@ def one_step_margin(suite: Suite, precision: str) -> float:
     bound (unsynchronized BatchNorm shows in the running statistics after the step where bf16 hides it in the
     gradient: the small CNN's, 2026-12-04)."""
     records = [check_onestep.records(run) for run in check_onestep.step_runs(suite.runs, precision)]
-    verdicts = check_onestep.step_verdicts(*records, precision, check_parity.no_gradient(suite.runs))
+    verdicts = check_onestep.step_verdicts(*records, precision, bounds.no_gradient(suite.runs))
     judged = [v for _, what, v in verdicts if what in ("gradient", "after") and not v.rounding]
     return max(v.apart / v.bound if v.bound else math.inf * (v.apart > 0) for v in judged)  # a count: exact
 
@@ -269,8 +270,8 @@ def test_batches_padded_to_their_longest_sentence_pass_the_sample_and_parity_che
         "dataset",
     ]
     call(check_data.test_every_rank_holds_the_same_datasets, suite)
-    call(check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, suite)
-    call(check_parity.test_global_batches_equal_1_device_and_reshuffle_each_epoch, suite)
+    call(check_data.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, suite)
+    call(check_data.test_global_batches_equal_1_device_and_reshuffle_each_epoch, suite)
     call(check_parity.test_weights_match_1_vs_2_devices, suite)
     call(check_parity.test_logged_scalars_match_every_step, suite)
     for precision in check_onestep.STEP_PRECISIONS:  # one step at a time in float32 and bf16-mixed: green too

@@ -25,7 +25,7 @@ import early
 import pytest
 from procs import TESTS, run
 
-from ddpkit.testing import check_parity
+from ddpkit.testing import bounds
 from ddpkit.testing.runs import Run
 
 MAIN = """from pathlib import Path
@@ -186,19 +186,19 @@ def test_groupnorm_resnet_weights_bound_is_its_own_rounding(family_sessions):
     9e-12 at 64: docs/measurements.md), so it is not asserted here; a reference above the fixed bound raising the bound
     is test_suite_units.py's."""
     runs, steps = kept_runs(family_sessions["resnet18-groupnorm"][2])
-    reference = check_parity.rounding(runs, steps, check_parity.no_gradient(runs))
-    bound = check_parity.fp64_bound(runs, steps)
-    assert "4 micro-batches" in bound.why and 0 < reference.max_rel <= check_parity.ROUNDING_CEILING, bound
-    fixed = check_parity.BOUNDS["cpu", "64-true"]
-    assert bound.max_rel == max(fixed, check_parity.ROUNDING_FACTOR * reference.max_rel)
-    assert bound.at_rounding == check_parity.ROUNDING_FACTOR * reference.max_abs and bound.own
-    verdicts = check_parity.judge(runs["1dev-fp64"].weights(), runs["2dev-fp64"].weights(), bound)
+    reference = bounds.rounding(runs, steps, bounds.no_gradient(runs))
+    bound = bounds.fp64_bound(runs, steps)
+    assert "4 micro-batches" in bound.why and 0 < reference.max_rel <= bounds.ROUNDING_CEILING, bound
+    fixed = bounds.BOUNDS["cpu", "64-true"]
+    assert bound.max_rel == max(fixed, bounds.ROUNDING_FACTOR * reference.max_rel)
+    assert bound.at_rounding == bounds.ROUNDING_FACTOR * reference.max_abs and bound.own
+    verdicts = bounds.judge(runs["1dev-fp64"].weights(), runs["2dev-fp64"].weights(), bound)
     assert not any(v.over for v in verdicts) and max(v.diff.max_rel for v in verdicts) > 0
 
 
-def one_vs_two(runs: dict[str, Run], bound: check_parity.Bound) -> list:
+def one_vs_two(runs: dict[str, Run], bound: bounds.Bound) -> list:
     """The float64 weights check's verdicts on 2 devices against 1."""
-    return check_parity.judge(runs["1dev-fp64"].weights(), runs["2dev-fp64"].weights(), bound)
+    return bounds.judge(runs["1dev-fp64"].weights(), runs["2dev-fp64"].weights(), bound)
 
 
 def test_gpt2_key_bias_slices_get_no_gradient_and_are_left_out(family_sessions):
@@ -206,13 +206,13 @@ def test_gpt2_key_bias_slices_get_no_gradient_and_are_left_out(family_sessions):
     every key score): exactly those elements are left out of the float64 comparison as holding only rounding, the
     query's and value's judged; 1 vs 2 devices pass, and the report says how many elements were left out."""
     runs, steps = kept_runs(family_sessions["gpt2"][2])
-    masks = check_parity.no_gradient(runs)
+    masks = bounds.no_gradient(runs)
     fused = [name for name in masks if name.endswith("c_attn.bias")]
     assert len(fused) == 2  # one a block
     for name in fused:
         third = masks[name].numel() // 3
         assert masks[name].tolist() == [False] * third + [True] * third + [False] * third, name
-    bound = check_parity.fp64_bound(runs, steps)
+    bound = bounds.fp64_bound(runs, steps)
     verdicts = {v.diff.name: v for v in one_vs_two(runs, bound)}
     for name in fused:
         note = f"{third} of {3 * third} elements without gradient left out"
@@ -224,7 +224,7 @@ def test_batchnorm_bounds_come_from_reversed_batches_and_leave_out_the_biases_be
     statistics), and the small CNN's convolution biases, each followed by a BatchNorm, got no gradient at all: left
     out, they pass as rounding."""
     runs, steps = kept_runs(family_sessions["small-cnn"][2])
-    bound = check_parity.fp64_bound(runs, steps)
+    bound = bounds.fp64_bound(runs, steps)
     assert "every batch reversed" in bound.why and bound.at_rounding > 0, bound
     assert all(bound.no_gradient[f"net.{i}.bias"].all() for i in (0, 4))
     verdicts = {v.diff.name: v for v in one_vs_two(runs, bound)}

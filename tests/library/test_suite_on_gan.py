@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of the checks imported below
-from ddpkit.testing import check_cli, check_parity, helpers
+from ddpkit.testing import check_cli, check_data, check_parity, helpers
 from ddpkit.testing.configured import describe
-from ddpkit.testing.runs import comparable, evaluation_runs, plan, shared_runs
+from ddpkit.testing.runs import comparable, evaluation_runs, plan
+from ddpkit.testing.waves import shared_runs
 
 HERE = Path(__file__).resolve().parent
 
@@ -121,9 +122,9 @@ FIRST_WAVE = {
     "weights fp64": (check_parity.test_weights_match_1_vs_2_devices, {"precision": "fp64"}),
     "scalars fp64": (check_parity.test_logged_scalars_match_every_step, {"precision": "fp64"}),
     "training values": (check_parity.test_logged_training_values_are_global, {}),
-    "val metrics": (check_parity.test_eval_metrics_count_each_sample_once, {"stage": "val"}),
-    "shards": (check_parity.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, {}),
-    "global batches": (check_parity.test_global_batches_equal_1_device_and_reshuffle_each_epoch, {}),
+    "val metrics": (check_data.test_eval_metrics_count_each_sample_once, {"stage": "val"}),
+    "shards": (check_data.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, {}),
+    "global batches": (check_data.test_global_batches_equal_1_device_and_reshuffle_each_epoch, {}),
     "files": (check_parity.test_2_devices_write_one_set_of_files, {}),
     "loader position": (check_parity.test_mid_epoch_checkpoint_records_loader_position, {}),
     "csv": (check_parity.test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices, {}),
@@ -150,9 +151,9 @@ SKIPS = {
         {"run": "1dev-acc4-fp64"},
         "the module optimizes manually: Lightning does not accumulate for it (refused by the CLI)",
     ),
-    "test metrics": (check_parity.test_eval_metrics_count_each_sample_once, {"stage": "test"}, "defines no test_step"),
+    "test metrics": (check_data.test_eval_metrics_count_each_sample_once, {"stage": "test"}, "defines no test_step"),
     "predictions": (
-        check_parity.test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices,
+        check_data.test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices,
         {},
         "defines no predict_step",
     ),

@@ -15,16 +15,8 @@ from ddpkit.parity import diff, max_abs, over_bound, report
 from ddpkit.parity import main as compare_main
 from ddpkit.run.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
-from ddpkit.testing.check_parity import (
-    BOUNDS,
-    ROUNDING_CEILING,
-    ROUNDING_FACTOR,
-    Bound,
-    Noise,
-    assert_within,
-    fp64_bound,
-    judge,
-)
+from ddpkit.parity import ROUNDING_CEILING, ROUNDING_FACTOR
+from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_bound, judge
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
 from ddpkit.testing.configured import switch_off
 from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read

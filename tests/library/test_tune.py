@@ -34,11 +34,11 @@ from optuna.trial import TrialState
 from postgres import server
 from procs import finish, start, toy_ok
 
-import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of check_parity, imported below
+import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of bounds, imported below
 from ddpkit.parity import over_bound, read_csv_scalars, report, scalar_diffs, weight_diffs
 from ddpkit.run.cli import newest_last_checkpoint
 from ddpkit.scaling.sweeper import SWEEP_MARKER
-from ddpkit.testing.check_parity import BOUNDS
+from ddpkit.testing.bounds import BOUNDS
 from ddpkit.testing.fake_cluster import free_port, sbatch_options, slurm_array_env
 from ddpkit.tune import search as tune
 from ddpkit.tune.devices import Claim

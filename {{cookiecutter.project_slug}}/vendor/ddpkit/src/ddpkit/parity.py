@@ -1,9 +1,8 @@
 """Compare two training runs: did N devices train the same model as 1 device?
 
-A run is a Lightning log directory (`lightning_logs/version_N`): its
-`checkpoints/last.ckpt` holds the final weights, and its TensorBoard file and
-(with a CSVLogger) its `metrics.csv` the logged scalars. `ddpkit.testing.test_parity` compares runs with these; do
-the same with your own runs from the command line:
+A run is a Lightning log directory (`lightning_logs/version_N`): its `checkpoints/last.ckpt` holds the final weights,
+its TensorBoard file and (with a CSVLogger) its `metrics.csv` the logged scalars. The guarantee suite compares its
+runs with these (ddpkit.testing); compare your own from the command line:
 
     python -m ddpkit.parity one/lightning_logs/version_0 two/lightning_logs/version_0
 
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-
 
 # Summation order alone moves float64 weights by a model's own amount (long sums round more): 1 device with 4
 # micro-batches vs without gave max_rel up to 6.7e-11 for a 3.2M-parameter GroupNorm CNN (tests/library/families.py)

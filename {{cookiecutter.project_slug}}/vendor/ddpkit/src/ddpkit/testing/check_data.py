@@ -1,4 +1,6 @@
-"""What must hold before any two runs can be compared: every rank holds the same data, and DDP can train the module.
+"""The data: what must hold before any two runs can be compared (every rank holds the same data, and DDP can train
+the module), and what the runs read of it (each rank half of every epoch, global batches as 1 device's, each
+evaluation sample counted once, predictions in dataset order).
 
 Each fails one test with one line that names the cause, and the tests that compare runs skip with a pointer to it
 instead of failing on a number:
@@ -7,18 +9,23 @@ instead of failing on a number:
 - a dataset built differently in each process (a vocabulary numbered in a set's order, an unseeded shuffle): each
   rank of the first 2-device run fingerprints its train and val sets before training (fingerprints.py), and the run
   stops there when they differ; the later waves do not start (runs.Waves' gate).
+The samples a run read are recognised by the dataset's own sample at each index its sampler handed out
+(fingerprints.py), before the collate function.
 """
 
 import json
+from collections import Counter
 
 import pytest
+import torch
 
+from .bounds import METRIC_STATE_ROUNDING
 from .fingerprints import first_difference, rank_difference
-from .runs import GATED_BY, Waves, reads
+from .runs import GATED_BY, Waves, comparable, reads
 
 UNUSED_TEST = "test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones"
 DATA_TEST = "test_every_rank_holds_the_same_datasets"
-# The runs whose ranks fingerprint their datasets (runs.run_args' `fingerprints`).
+# The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`).
 ONE, TWO = "1dev-fp64", "2dev-fp64"
 
 
@@ -81,3 +88,81 @@ def test_every_rank_holds_the_same_datasets(cpu_runs):
         pytest.fail(differs, pytrace=False)
     missing = [name for name, ranks in ((ONE, 1), (TWO, 2)) if run_fingerprints(cpu_runs, name, ranks) is None]
     assert not missing, "\n".join(cpu_runs.failed.get(name, f"run {name} wrote no fingerprints") for name in missing)
+
+
+@reads("predict-1dev", "predict-2dev")
+def test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices(cpu_runs, global_batch):
+    """`predict` writes predictions.pt into the run's directory: one prediction per sample of the predict set,
+    and the file's bytes on 2 processes (each sample predicted on one rank, gathered) are 1 device's."""
+    size = global_batch["predict_size"]
+    if not size:
+        pytest.skip("the configured data module has no predict set")
+    if "predict" not in global_batch["stages"]:
+        pytest.skip(f"{global_batch['model']} defines no predict_step")
+    one, two = (cpu_runs[f"predict-{n}dev"].root / "predictions.pt" for n in (1, 2))
+    predictions = torch.load(one, weights_only=True)
+    first = predictions
+    while not isinstance(first, torch.Tensor):  # a dict, tuple or list of tensors: look at one of them
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    assert len(first) == size
+    assert one.read_bytes() == two.read_bytes()
+
+
+def eval_records(cpu_runs: Waves, stage: str) -> tuple[dict, list[dict]]:
+    """A stage's metrics on 1 device and on each of 2 ranks: the last validation of the fits, or the test runs."""
+    if stage == "val":
+        one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
+        return one.probe()["val"][-1], [two.probe(rank=r)["val"][-1] for r in (0, 1)]
+    one, two = cpu_runs["test-1dev"], cpu_runs["test-2dev"]
+    return one.probe("test")["test"], [two.probe("test", rank=r)["test"] for r in (0, 1)]
+
+
+@pytest.mark.parametrize("stage", ["val", "test"])
+@reads(stage={"val": ("1dev-fp64", "2dev-fp64"), "test": ("test-1dev", "test-2dev")})
+def test_eval_metrics_count_each_sample_once(cpu_runs, global_batch, stage):
+    """N samples split ceil(N/2) + floor(N/2) over 2 ranks, no padding: both ranks report 1 device's metrics."""
+    size = global_batch[f"{stage}_size"]
+    if not size:
+        pytest.skip(f"the configured data module has no {stage} set")
+    command, step = {"val": ("validate", "validation_step"), "test": ("test", "test_step")}[stage]
+    if command not in global_batch["stages"]:
+        pytest.skip(f"{global_batch['model']} defines no {step}")
+    if stage == "val":  # validated during the fits
+        comparable(global_batch)
+    one, ranks = eval_records(cpu_runs, stage)
+    assert one["samples"] == size and [r["samples"] for r in ranks] == [(size + 1) // 2, size // 2]
+    assert ranks[0] | {"samples": 0} == ranks[1] | {"samples": 0}  # synced: equal on every rank
+    metrics = one.keys() - {"samples", "epoch"}
+    assert metrics and metrics == ranks[0].keys() - {"samples", "epoch"}
+    for key in metrics:  # a duplicated or dropped sample would change them
+        assert abs(ranks[0][key] - one[key]) <= METRIC_STATE_ROUNDING * max(abs(one[key]), 1.0), key
+
+
+@reads("1dev-fp64", "2dev-fp64")
+def test_each_rank_gets_half_of_every_epoch_and_nothing_twice(cpu_runs, global_batch):
+    """Per epoch, rank 0 and rank 1 each receive half of steps x global batch samples, together exactly the
+    samples 1 device trains on in that epoch (samples are compared by content, so any batch type works)."""
+    one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
+    per_epoch = global_batch["steps_per_epoch"] * global_batch["global_batch_size"]
+    for epoch in ("0", "1"):
+        shards = [sum(two.probe(rank=r)["batches"][epoch], []) for r in (0, 1)]
+        assert len(shards[0]) == len(shards[1]) == per_epoch // 2
+        assert Counter(shards[0]) + Counter(shards[1]) == Counter(sum(one.probe()["batches"][epoch], []))
+
+
+@reads("1dev-fp64", "2dev-fp64")
+def test_global_batches_equal_1_device_and_reshuffle_each_epoch(cpu_runs, global_batch):
+    """Step k's samples on 2 ranks, put together, are step k's samples on 1 device; epoch 2 has a new order."""
+    one = cpu_runs["1dev-fp64"].probe()["batches"]
+    two = [cpu_runs["2dev-fp64"].probe(rank=r)["batches"] for r in (0, 1)]
+    for epoch in ("0", "1"):
+        joined = [Counter(a + b) for a, b in zip(two[0][epoch], two[1][epoch], strict=True)]
+        assert joined == [Counter(batch) for batch in one[epoch]]
+        assert len(joined) == global_batch["steps_per_epoch"]
+    assert two[0]["0"] != two[0]["1"] and two[1]["0"] != two[1]["1"]  # set_epoch reached the sampler
+    same = [k for k, (a, b) in enumerate(zip(one["0"], one["1"], strict=True)) if Counter(a) == Counter(b)]
+    assert len(same) < len(one["0"]), (
+        "every global batch k holds the same samples in epoch 0 and 1 on 1 device: the training data is not "
+        "reshuffled between epochs, only within batches (a StreamingDataModule whose streams each read one whole "
+        "shard, or one part of one: give each stream at least 2 shards; a sampler that ignores set_epoch)"
+    )

@@ -1,7 +1,7 @@
 """Multi-node launchers on one machine: two torchrun "nodes", a SLURM job, and SLURM's requeue signal.
 
 Each job runs the project's own launch script (cluster/torchrun.sh, cluster/slurm.sbatch) with the first
-wave's float64 training (runs.cluster_args) and must end with the 1-device run's weights. The SLURM job is
+wave's float64 training (waves.cluster_args) and must end with the 1-device run's weights. The SLURM job is
 signalled to requeue in its second epoch and then requeued, as SLURM would (fake_cluster.slurm_requeue_job).
 """
 
@@ -10,7 +10,7 @@ import re
 import torch
 
 from ..parity import ROUNDING_FACTOR, max_abs
-from .check_parity import Bound, assert_within, fp64_bound, no_gradient, run_to_run
+from .bounds import Bound, assert_within, fp64_bound, no_gradient, run_to_run
 from .fake_cluster import SLURM_JOB_ID, last_weights
 from .runs import comparable, reads
 
@@ -32,11 +32,11 @@ def total_steps(global_batch) -> int:
 
 
 def assert_same_weights(weights: dict[str, torch.Tensor], cpu_runs, global_batch, steps, name: str) -> None:
-    """1 device's weights within the float64 bound the model's own rounding sets (check_parity.fp64_bound), and 2
+    """1 device's weights within the float64 bound the model's own rounding sets (bounds.fp64_bound), and 2
     devices' under Lightning's launcher bit for bit: the same 2 ranks sum the same gradients in the same order,
     whichever launcher started them (both jobs measured 0.0 from it, and 2.1e-16 from 1 device: digits,
     2026-12-02, docs/measurements.md). Where two identical 2-device runs are not bit-identical, within
-    ROUNDING_FACTOR x how far apart they end (check_parity.run_to_run)."""
+    ROUNDING_FACTOR x how far apart they end (bounds.run_to_run)."""
     assert_within(reference(cpu_runs, global_batch), weights, fp64_bound(cpu_runs, steps), f"{name} vs 1dev")
     two = reference(cpu_runs, global_batch, devices=2)
     if max_abs(weights, two) != 0.0:

@@ -15,7 +15,7 @@ device, as the norm of the difference over the tensor's elements:
   this precision's; at least one unit of the stored value). Elements whose gradient is within its bound of zero in
   both runs are left out: their sign is rounding's, and AdamW steps by the sign;
 - every value the module logged in the step, which is also the same on both ranks, bit for bit.
-Elements that got no gradient in the float64 runs (check_parity.no_gradient) are left out: their gradient is a
+Elements that got no gradient in the float64 runs (bounds.no_gradient) are left out: their gradient is a
 cancelled sum's rounding, at a scale the tensor itself does not show. Both ranks hold the same weights and buffers
 after every step, bit for bit.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from .check_parity import no_gradient
+from .bounds import no_gradient
 from .runs import STEP_PRECISIONS, Run, Waves, comparable, reads
 
 # 2 devices' difference over the step's own rounding, worst tensor of any point: at most 2.34 x (GPT-2, small
@@ -104,7 +104,7 @@ def step_verdicts(
     and logged value, as the norm of the difference (all its elements' at once: a single element's rounding can
     jump where an activation has a kink) against that step's own rounding, how far 1 device's is from the same step
     in float64 (`exact`), at least one unit of the precision; as (global batch, what, StepVerdict), what being
-    "gradient", "after" or "logged". The elements of `no_gradient` (check_parity.no_gradient: no gradient in the
+    "gradient", "after" or "logged". The elements of `no_gradient` (bounds.no_gradient: no gradient in the
     float64 runs; a cancelled sum's rounding, at no scale the tensor itself shows) are left out."""
     eps, out, no_gradient = EPS[precision], [], no_gradient or {}
     for k in sorted(one):

@@ -17,7 +17,7 @@ SHARDED_BOUND = 2e-4
 @reads("sharded", "1dev-fp32")
 def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_runs):
     """Epoch 1 sharded over 2 processes (one checkpoint shard per rank), epoch 2 resumed from its sharded
-    checkpoint on 1: DDP's float32 weights on 1 device (runs.sharded_job)."""
+    checkpoint on 1: DDP's float32 weights on 1 device (waves.sharded_job)."""
     if not configured["shards_layers"] or not configured["global_batch_data"]:
         pytest.skip(f"{configured['model']} does not shard its layers in configure_model (ddpkit.shard_layers)")
     if not shards_on_cpu():

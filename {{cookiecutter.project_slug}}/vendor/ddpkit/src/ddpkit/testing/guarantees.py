@@ -14,8 +14,12 @@ from .check_cli import (
     test_the_run_config_reaches_every_logger,
 )
 from .check_data import (
+    test_each_rank_gets_half_of_every_epoch_and_nothing_twice,
+    test_eval_metrics_count_each_sample_once,
     test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones,
     test_every_rank_holds_the_same_datasets,
+    test_global_batches_equal_1_device_and_reshuffle_each_epoch,
+    test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices,
 )
 from .check_multinode import (
     test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it,
@@ -33,9 +37,6 @@ from .check_parity import (
     test_compare_command_passes_two_torchrun_nodes_against_one_process,
     test_compare_command_reads_metrics_csv,
     test_csv_logger_is_added_and_its_scalars_match_1_vs_2_devices,
-    test_each_rank_gets_half_of_every_epoch_and_nothing_twice,
-    test_eval_metrics_count_each_sample_once,
-    test_global_batches_equal_1_device_and_reshuffle_each_epoch,
     test_gpu_logged_scalars_match_1_vs_2_gpus,
     test_gpu_weights_match_1_vs_2_gpus,
     test_gradient_accumulation_keeps_the_global_batch,
@@ -44,7 +45,6 @@ from .check_parity import (
     test_lr_schedule_is_the_same_on_1_and_2_devices,
     test_mid_epoch_checkpoint_records_loader_position,
     test_mid_epoch_resume_on_other_device_count_matches_uninterrupted,
-    test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices,
     test_torchrun_matches_lightning_launcher_and_1_device,
     test_weights_match_1_vs_2_devices,
 )

@@ -262,7 +262,7 @@ class GradientPeaks(L.Callback):
     """Records the largest |gradient| each parameter element saw over the run (after the all-reduce), the same on
     every rank; rank 0 writes them to probe/gradient-peaks.pt when fit ends. Elements whose peak is rounding (the
     key's bias in attention, a bias before BatchNorm: their gradient is zero but for rounding) hold only rounding,
-    which an optimizer like AdamW turns into steps: the float64 checks leave them out (check_parity.no_gradient)."""
+    which an optimizer like AdamW turns into steps: the float64 checks leave them out (bounds.no_gradient)."""
 
     def __init__(self) -> None:
         self.peaks: dict[str, Tensor] = {}

@@ -11,7 +11,7 @@ import pytest
 # The suite's modules hold plain asserts; have pytest show the values in them, as in a test file. Before they
 # are imported: rewriting happens at import.
 pytest.register_assert_rewrite(
-    *(f"ddpkit.testing.{m}" for m in ("check_cli", "check_data", "check_multinode", "check_onestep")),
+    *(f"ddpkit.testing.{m}" for m in ("bounds", "check_cli", "check_data", "check_multinode", "check_onestep")),
     *(f"ddpkit.testing.{m}" for m in ("check_parity", "check_sharded")),
     *(f"ddpkit.testing.{m}" for m in ("configured", "fake_cluster", "helpers", "runs")),
 )
@@ -20,7 +20,8 @@ from .check_data import data_gate, unused_skip  # noqa: E402
 from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .helpers import set_project  # noqa: E402
-from .runs import Run, Waves, fit, main_cmd, parity_args, plan, remove_checkpoints, runs_read, shared_runs  # noqa: E402
+from .runs import Run, Waves, plan, remove_checkpoints, runs_read  # noqa: E402
+from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
 
 # Set (to anything) to keep the runs' checkpoints after the session, to look into a failure.
 KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"

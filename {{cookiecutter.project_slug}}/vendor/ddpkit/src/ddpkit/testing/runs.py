@@ -1,38 +1,14 @@
-"""The real runs of the project's `main.py` the guarantee tests share, made once per session (`cpu_runs`).
-
-Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
-three waves; the runs of a wave start at once (each run is mostly start-up, which overlaps):
-1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
-   ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
-   or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
-   bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
-2. The one-step runs: from those states, single steps on 1 and 2 devices in float32 and in bf16-mixed, and on 1
-   device in float64 (check_onestep.py); `torchrun`, gradient accumulation on 2 devices x 2
-   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
-   module shards (the library's model_parallel preset, compared with 1 device in float32), and, when the model
-   takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
-3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
-   the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
-   module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
-   is signalled, requeued and resumed.
-And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
-(`2dev-fp64-again`): how far two identical runs end apart (check_parity.run_to_run).
-A run starts when a test first asks for it, together with the runs of its wave that the session's selected tests
-read (their `reads` declarations), so `pytest -k ...` starts only the runs it reads.
-The sizes and steps come from the configured data module and model (configured.py); steps are counted in global
-batches, and Lightning's global_step is `steps_per_batch` times that (a GAN stepping two optimizers: 2).
-
-Add arguments to every run (another model, a smaller set):
-    PARITY_ARGS="--model my_model.MyModel" pytest tests/test_guarantees.py
+"""The guarantee suite's runs of the project's `main.py`, shared by its tests (`cpu_runs`): a finished run
+(`Run`), a command that makes one (`command`), and the runs by name (`Waves`), each started when a test first asks
+for it, together with the runs of its wave that the session's selected tests read (`reads`, `runs_read`). The
+steps the runs follow come from the configured model and data (`plan`). Which runs there are, in which waves, and
+their command lines: waves.py.
 """
 
 import json
-import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from .. import presets
 from ..model.sharding import shards_on_cpu
 from ..parity import load_weights
-from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
+from .fake_cluster import SlurmJob
 from .fake_cuda import save_as_cuda
 from .helpers import finish, headline, main_py, run_main, start
 
@@ -131,95 +106,23 @@ def comparable(steps: dict) -> None:
         pytest.fail(steps["random_step"], pytrace=False)
 
 
-def parity_args() -> list[str]:
-    """PARITY_ARGS, split as a shell would: appended to every run, after the suite's own arguments."""
-    return shlex.split(os.environ.get("PARITY_ARGS", ""))
 
 
-def schedule_args(steps: dict) -> list[str]:
-    """A warmup + cosine schedule (for a model that takes a `scheduler` argument)."""
-    warmup = str(max(1, steps["steps_per_epoch"] // 2))
-    return ["--model.scheduler", "ddpkit.model.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
 
 
-def run_args(
-    steps: dict,
-    resumed_at: int | None = None,
-    rank_weights: bool = False,
-    saves: tuple[int, ...] = (),
-    fingerprints: bool = False,
-) -> list[str]:
-    """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
-    no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
-    their size), unless other runs resume from it at global batch `resumed_at` (or start one-step runs from it after
-    the global batches `saves`): then they are complete, the probe saves one at each of those steps, an extra
-    checkpoint per epoch is written (only their names are checked), and each parameter element's largest gradient is
-    recorded (parity_probe.GradientPeaks). Each rank's final weights only with `rank_weights`; each rank's
-    fingerprints of its datasets, compared before training, only with `fingerprints`."""
-    args = [
-        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
-        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
-        "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
-    ]
-    if rank_weights:
-        args.append("--trainer.callbacks.rank_weights=true")
-    if fingerprints:
-        args.append("--trainer.callbacks.fingerprint_data=true")
-    if resumed_at is not None:
-        at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
-        args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
-        args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
-        args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
-        args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
-    return args
 
 
-def main_cmd(*args: str) -> list[str]:
-    return [sys.executable, str(main_py()), *args]
 
 
-def torchrun_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(main_py()), *args]
 
 
-def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str, **kept) -> list[str]:
-    """`fit` on `devices` in `precision`, with the suite's arguments (run_args: `kept` are its options)."""
-    return [
-        "fit",
-        *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
-        *("--trainer.precision", precision, *run_args(steps, **kept), *extra, *parity_args()),
-    ]
 
 
-def one_step(steps: dict, devices: int, precision: str, states: Path, *extra: str) -> list[str]:
-    """A one-step run (parity_probe.OneStep): `fit` on `devices` in `precision` training global batches 0 and 1 of
-    each of 2 epochs, each from the state in `states` (the first wave's 1-device float64 run saved them), without
-    validation, checkpoints or the doctor."""
-    return [
-        "fit",
-        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", precision),
-        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0"),
-        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
-        *("--doctor.enabled", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
-        *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['steps_per_epoch']}"),
-        f"--trainer.callbacks.steps_per_batch={steps['steps_per_batch']}",
-        f"--trainer.callbacks.batches={steps['step_batches']}",
-        *extra,
-        *parity_args(),
-    ]
 
 
 STEP_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
 
-def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[str]:
-    """`validate`, `test` or `predict` in float64 from `ckpt_path`, without a logger (predictions.pt and the
-    probe's records go to the run's root)."""
-    return [
-        command,
-        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", "64-true"),
-        *("--ckpt_path", ckpt_path, "--trainer.logger", "false", *run_args(steps), *parity_args()),
-    ]
 
 
 # A rank that could not listen on its port: another run took the free port it was given in between (the runs start
@@ -262,12 +165,6 @@ def command(cmd: list[str], root: Path, log: Path, timeout: float = 420, ranks: 
         return Run(root, log)
 
     return job
-
-
-def link_checkpoints(source: str, destination: str) -> None:
-    """copytree's copy function: a hard link for a checkpoint (written anew, never in place, by a later run), a copy
-    for any other file."""
-    os.link(source, destination) if source.endswith(".ckpt") else shutil.copy2(source, destination)
 
 
 def failed(error: AssertionError) -> Callable[[], Run]:
@@ -396,142 +293,6 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None) -> Waves:
-    """Every CPU run the suite reads (see the module's docstring), under `base`, with the steps they follow in
-    steps.json (what the suite measured of the configured model and data); `gate`: see Waves."""
-    (base / "steps.json").write_text(json.dumps(steps, indent=1))
-
-    def run(name: str, cmd: list[str], root: Path | None = None, ranks: int = 1) -> Callable[[], Run]:
-        return command(cmd, root or base / name, base / f"{name}.log", ranks=ranks)
-
-    # 2-device runs other than 2dev-fp64 (Lightning's launcher, as users run it: starting rank 1 as a fresh process)
-    # have both ranks forked (~5 CPU-s of imports less each; the ranks then train as torchrun's would).
-    forked = 2
-
-    csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
-    # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
-    saves = tuple(steps["step_points"])  # the one-step runs' states
-    first = {
-        "1dev-fp64": run(
-            "1dev-fp64",
-            main_cmd(
-                *fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], saves=saves, fingerprints=True)
-            ),
-        ),
-        "2dev-fp64": run(
-            "2dev-fp64",
-            main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"], fingerprints=True)),
-        ),
-    }
-    # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
-    micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
-    reorder = (
-        micro if steps["micro_batch_size"] else ("--trainer.callbacks+=ddpkit.testing.parity_probe.ReversedBatches",)
-    )
-    reference = reference_run(steps, "fp64")
-    first[reference] = run(reference, main_cmd(*fit(steps, "cpu", 1, "64-true", *reorder)))
-
-    def first_again() -> Callable[[], Run]:
-        two = fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"])
-        return run("2dev-fp64-again", main_cmd(*two))
-
-    def second(runs: Waves) -> dict:
-        jobs = {
-            "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
-            "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
-        }
-        try:  # from the states the 1-device float64 run saved; float64's step is the exact one
-            states = runs["1dev-fp64"].root / "probe"
-            for name in ONE_STEP:
-                devices = 2 if "-2dev-" in name else 1
-                precision = {**STEP_PRECISIONS, "fp64": "64-true"}[name.split("-")[-1]]
-                jobs[name] = run(name, main_cmd(*one_step(steps, devices, precision, states)), ranks=devices)
-        except AssertionError as error:
-            jobs |= dict.fromkeys(ONE_STEP, failed(error))
-        if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
-            jobs["2dev-acc2-fp64"] = run(
-                "2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)), ranks=forked
-            )
-        if steps["shards"]:  # and its reference: 1 device in float32 (ModelParallelStrategy has no float64)
-            jobs["sharded"] = lambda: sharded_job(base / "sharded", steps)
-            jobs["1dev-fp32"] = run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true")))
-        if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
-            lr = (*schedule_args(steps), csv)
-            for n in (1, 2):
-                cmd = main_cmd(*fit(steps, "cpu", n, "64-true", *lr))
-                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", cmd, ranks=n)
-        return jobs
-
-    def third(runs: Waves) -> dict:
-        jobs = {
-            "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"])
-        }
-        try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs
-            ckpt = as_cuda(runs["2dev-fp64"], steps)
-            jobs["resume-2to1"] = run(
-                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt)))
-            )
-        except AssertionError as error:
-            jobs["resume-2to1"] = failed(error)
-        from_one = ("resume-1to2", *evaluation_runs(steps), "continue")
-        try:
-            one = runs["1dev-fp64"]
-        except AssertionError as error:
-            return jobs | dict.fromkeys(from_one, failed(error))
-        # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
-        # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would. The copies'
-        # checkpoints are hard links, no space taken, except the last.ckpt that `continue` writes again; the logs,
-        # which Lightning rewrites in place (hparams.yaml), are copies.
-        for copy in ("eval", "continue"):
-            shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=link_checkpoints)
-        continued = base / "continue" / one.checkpoint().relative_to(one.root)
-        continued.unlink()
-        shutil.copy2(one.checkpoint(), continued)
-        (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
-        best, last = best_checkpoint(one), str(one.checkpoint())
-        resume_at = str(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
-        evaluations = {
-            "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
-            "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
-            "predict-1dev": run("predict-1dev", main_cmd(*evaluate(steps, "predict", 1, last)), base / "eval"),
-            "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best))), ranks=forked),
-            "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last)), ranks=forked),
-        }
-        return jobs | {
-            "resume-1to2": run(
-                "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)), ranks=forked
-            ),
-            **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
-            # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
-            "continue": run(
-                "continue",
-                main_cmd(*fit(steps, "cpu", 1, "64-true", "--trainer.max_epochs", "3", "--ckpt_path", "last")),
-            ),
-        }
-
-    waves = [
-        Wave(tuple(first), lambda runs: first),
-        Wave(
-            (
-                *ONE_STEP,
-                "torchrun-fp64",
-                "torchrun-nodes",
-                "2dev-acc2-fp64",
-                "sharded",
-                "1dev-fp32",
-                "1dev-lr-fp64",
-                "2dev-lr-fp64",
-            ),
-            second,
-        ),  # fmt: skip
-        Wave(
-            ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue"),
-            third,
-        ),  # fmt: skip
-        # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
-        Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
-    ]
-    return Waves(base, waves, gate)
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
@@ -548,7 +309,7 @@ def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
     return len(files), sum(files.values())
 
 
-# The runs whose ranks fingerprint their datasets (run_args' `fingerprints`), after which Waves' gate is asked.
+# The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`), after which Waves' gate is asked.
 GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
 # The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step).
@@ -573,38 +334,8 @@ def best_checkpoint(run: Run) -> Path:
     return Path(best)
 
 
-def cluster_args(steps: dict) -> list[str]:
-    """The float64 fit of the first wave, without its probes and logger changes: the cluster launchers' runs
-    must end with its weights (2 epochs; dropout off, as the probe turns it off there)."""
-    return [
-        *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
-        *("--trainer.log_every_n_steps", "1"),  # as the first wave's: the parity command compares their logged steps
-        *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
-        *parity_args(),
-        "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
-    ]
 
 
-def sharded_job(root: Path, steps: dict) -> dict:
-    """Epoch 1 sharded over 2 processes (the library's model_parallel preset, float32: ModelParallelStrategy has
-    no float64), epoch 2 resumed from its sharded checkpoint on 1; the weights at the end, gathered."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    # The library's copy, not the project's configs/model_parallel.yaml: a project may lack it (baked before it
-    # existed, or deleted) or have set it for its cluster (8 devices), and the check needs 2 processes.
-    args = ["--config", str(presets.path("model_parallel")), "--trainer.accelerator", "cpu"]
-    args += ["--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"]
-    args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout", *parity_args()]
-    two, one = root / "two", root / "one"
-    root.mkdir()
-    command(main_cmd("fit", *args, "--trainer.max_epochs", "1"), two, root / "two.log")()
-    sharded = two / "lightning_logs/version_0/checkpoints/last.ckpt"
-    one_device = ("--trainer.devices", "1", "--trainer.strategy.data_parallel_size", "1")
-    resume = ("--trainer.max_epochs", "2", "--ckpt_path", str(sharded))
-    command(main_cmd("fit", *args, *one_device, *resume), one, root / "one.log")()
-    dcp_to_torch_save(one / "lightning_logs/version_0/checkpoints/last.ckpt", root / "full.pt")
-    weights = torch.load(root / "full.pt", weights_only=True)["state_dict"]
-    return {"files": sorted(p.name for p in sharded.glob("*.distcp")), "weights": weights}
 
 
 __all__ = [
@@ -615,12 +346,9 @@ __all__ = [
     "as_cuda",
     "comparable",
     "evaluation_runs",
-    "fit",
     "global_step",
-    "main_cmd",
     "plan",
     "reads",
     "remove_checkpoints",
     "runs_read",
-    "shared_runs",
 ]
