@@ -119,8 +119,8 @@ def test_configured_counts_two_optimizer_steps_a_batch(configured, steps):
 
 # The first wave's checks, each as the suite runs it (parameters as in its parametrize).
 FIRST_WAVE = {
-    "weights fp64": (check_parity.test_weights_match_1_vs_2_devices, {"precision": "fp64"}),
-    "scalars fp64": (check_parity.test_logged_scalars_match_every_step, {"precision": "fp64"}),
+    "weights fp64": (check_parity.test_weights_match_1_vs_2_devices, {}),
+    "scalars fp64": (check_parity.test_logged_scalars_match_every_step, {}),
     "training values": (check_parity.test_logged_training_values_are_global, {}),
     "val metrics": (check_data.test_eval_metrics_count_each_sample_once, {"stage": "val"}),
     "shards": (check_data.test_each_rank_gets_half_of_every_epoch_and_nothing_twice, {}),
@@ -211,7 +211,7 @@ def test_a_training_step_drawing_random_numbers_is_named_instead_of_failing_on_a
     with pytest.raises(pytest.fail.Exception, match="^TinyGAN's training step draws random numbers"):
         comparable(plan(noisy))
     with pytest.raises(pytest.fail.Exception, match="PARITY_ARGS='--model.noise_std 0'"):
-        check_parity.test_weights_match_1_vs_2_devices(NoRuns(), plan(noisy), "fp64")
+        check_parity.test_weights_match_1_vs_2_devices(NoRuns(), plan(noisy))
 
 
 def test_a_run_that_ends_through_os_exit_is_reported_at_once_with_its_error(project, tmp_path):
