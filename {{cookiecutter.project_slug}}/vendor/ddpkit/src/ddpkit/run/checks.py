@@ -302,12 +302,12 @@ def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
 
 def plain_datamodule_warning(datamodule: Any) -> str:
     """One line: what a data module that is not a GlobalBatchDataModule loses, and how to get it back."""
-    base = f"{GlobalBatchDataModule.__module__.rsplit('.', 1)[0]}.{GlobalBatchDataModule.__name__}"
+    base = f"ddpkit.{GlobalBatchDataModule.__name__}"  # the public name (ddpkit/__init__.py), not its module's
     return (
         f"warning: {type(datamodule).__name__} is a plain LightningDataModule: its batch size is per device "
         "(the global batch grows with --trainer.devices), and 1-vs-N device parity, exact mid-epoch resume and "
         f"exactly-once evaluation are not guaranteed; subclass {base} and return datasets to keep them "
-        "(ddpkit.data.streaming.StreamingDataModule for shards or streams)."
+        "(ddpkit.StreamingDataModule for shards or streams)."
     )
 
 
