@@ -430,6 +430,24 @@ def test_one_step_bounds_come_from_the_exact_step_at_least_one_unit_of_the_preci
     assert logged.over and not close.over
 
 
+def test_an_update_is_judged_to_within_what_its_gradients_bound_carries_into_it():
+    """AdamW moves an element by its gradient over its history: where the gradient is known only to within r of
+    itself (just above rounding), 2 devices' update may differ by r of the update. Half an update apart on such an
+    element passes; the same on tensors whose gradients are all far above their bound fails."""
+    no_gradient = {"bias": torch.tensor([True]), "w": torch.tensor([False, False, False])}
+
+    def after(grad: list[float], two_after: list[float]):
+        exact, one = ({k: step(grad, [0.0] * 3, [-1e-3] * 3, 2.0) for k in (0, 1)} for _ in range(2))
+        two = {k: step(grad, [0.0] * 3, two_after, 2.0) for k in (0, 1)}
+        verdicts = step_verdicts(one, two, exact, "bf16", no_gradient)
+        (w,) = [v for _, what, v in verdicts if (what, v.name) == ("after", "w")]
+        return w
+
+    near = after([1.0, 0.5, 0.05], [-1e-3, -1e-3, -0.5e-3])  # 0.05: 1.2 x the gradient's per-element bound
+    firm = after([1.0, 0.5, 0.9], [-1e-3, -1e-3, -0.5e-3])
+    assert not near.over and near.note == "" and firm.over, (near, firm)
+
+
 def test_a_run_whose_port_was_taken_starts_again(tmp_path):
     """A run that exits on EADDRINUSE (another run took its port) starts again in its folder, cleared of what the
     try wrote; a run that fails otherwise is reported at once."""
