@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from raw_ddp import SameOrderSampler, baked_module  # benchmarks/ is on sys.path as the script's directory
+from raw_ddp import SameOrderSampler, baked_module, leave  # benchmarks/ is on sys.path as the script's directory
 
 
 def parser() -> argparse.ArgumentParser:
@@ -190,11 +189,7 @@ def main() -> None:
             torch.save(model.state_dict(), args.weights)
         record = {"starts": starts, "windows": windows, "first_step_wall": first_step_wall, "world_size": world}
         args.out.write_text(json.dumps(record))
-    # As raw_ddp.py ends: leave together, then skip the interpreter shutdown in which gloo's threads can abort.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

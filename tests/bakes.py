@@ -54,18 +54,36 @@ def pinned_versions(constraints: Path) -> dict[str, str]:
     return dict(line.split("==") for line in lines if "==" in line)
 
 
-def run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; kill the whole group on timeout."""
+def run(
+    cmd: list[str], cwd: Path | None, timeout: float, env: dict | None = None, grace: float = 0
+) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; on timeout kill the whole group and fail with its output. With a
+    `grace`, SIGTERM first and that many seconds to end: a command that starts processes in sessions of their own
+    (a benchmark's runs) stops them on SIGTERM, where SIGKILL to its group would leave them running."""
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out = stop(proc, grace)
         raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def stop(proc: subprocess.Popen, grace: float) -> str:
+    """Stop `proc`'s process group (SIGTERM and `grace` seconds first, if any; then SIGKILL); its output."""
+    if grace:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            return proc.communicate(timeout=grace)[0]
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group has already exited
+    return proc.communicate()[0]
 
 
 def workflow_steps(project: Path) -> list[str]:

@@ -5,15 +5,13 @@ import importlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from bakes import TEMPLATE, bake
+from bakes import TEMPLATE, bake, run
 from lightning.fabric.utilities.throughput import measure_flops
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -58,20 +56,10 @@ def lm_report(benchmark_run) -> tuple[dict, str]:
 
 def run_script(cmd: list[str], out: Path, timeout: float) -> tuple[dict, str]:
     """Run a benchmark script in its own session (its ranks too are stopped on timeout); its JSON and output."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the script then kills the training processes it started in their own sessions.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            text, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            text, _ = proc.communicate()
-        raise AssertionError(f"benchmark timed out:\n{text[-4000:]}") from None
-    assert proc.returncode == 0, text[-4000:]
-    return json.loads(out.read_text()), text
+    # SIGTERM first on timeout: the script then kills the training processes it started in their own sessions.
+    done = run(cmd, None, timeout, grace=20)
+    assert done.returncode == 0, done.stdout[-4000:]
+    return json.loads(out.read_text()), done.stdout
 
 
 def run_benchmark(project: Path, out: Path) -> tuple[dict, str]:

@@ -7,16 +7,13 @@ GPT), there the library's GPU-marked tests (which must collect without the optio
 whose whole runs CI also has elsewhere (the library's own session, test_benchmarks.py)."""
 
 import importlib.util
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from bakes import TEMPLATE
+from bakes import TEMPLATE, run
 
 spec = importlib.util.spec_from_file_location("gpu_check", TEMPLATE / ".ci" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
@@ -31,16 +28,10 @@ def dry_run(folder: Path, python: str = sys.executable, skip: list[str] = SKIPPE
     """`python .ci/gpu_check.py --dry-run --skip SKIP` with its work in `folder`: (exit status, output,
     {step name: (verdict, detail, its output file)}). In its own session, killed whole on timeout."""
     cmd = [python, str(TEMPLATE / ".ci" / "gpu_check.py"), "--dry-run", "--work", str(folder), "--skip", ",".join(skip)]
-    proc = subprocess.Popen(cmd, cwd=TEMPLATE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the dry run timed out:\n{out[-4000:]}") from None
-    steps = {m["name"]: (m["verdict"], m["detail"], Path(m["file"])) for m in map(LINE.match, out.splitlines()) if m}
-    return proc.returncode, out, steps
+    done = run(cmd, TEMPLATE, 900, env)
+    lines = map(LINE.match, done.stdout.splitlines())
+    steps = {m["name"]: (m["verdict"], m["detail"], Path(m["file"])) for m in lines if m}
+    return done.returncode, done.stdout, steps
 
 
 @pytest.fixture(scope="module")
