@@ -8,7 +8,7 @@ its state after global batches 1, 4 and 5 and its gradients' peaks, then the one
 global batches 0 (trained, not judged), 1, 4 and 5: in float32 and in bf16-mixed on 1 and on 2 devices, and on 1
 device in float64 (each step's own rounding). Prints, per precision and kind (gradient, after the step, logged), the
 factor over that rounding which 2 devices needed (check_onestep.step_verdicts; the worst tensor of any point): the
-numbers behind ONE_STEP_FACTOR and AFTER_STEP_FACTOR (docs/measurements.md, "The one-step check"). --report prints them again for the
+numbers behind ONE_STEP_FACTOR (docs/measurements.md, "The one-step check"). --report prints them again for the
 folders of earlier runs.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from procs import TESTS, finish, start
 
-from ddpkit.testing.check_onestep import AFTER_STEP_FACTOR, ONE_STEP_FACTOR, step_verdicts
+from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
 from ddpkit.testing.bounds import NO_GRADIENT
 
 SIZES = ["--data.global_batch_size", "32", "--data.train_size", "128"]
@@ -69,12 +69,11 @@ def report(bases: list[Path]) -> None:
             for tag in ("fp32", "bf16"):
                 one, two = (torch.load(base / f"{seed}-{tag}-{n}" / "probe" / "onestep.pt", weights_only=False)
                             for n in (1, 2))  # fmt: skip
-                # With the check's own masks (elements with rounding-level gradients), the factor each needed.
+                # With the check's own masks (elements without gradient), the factor each needed.
                 for k, what, v in step_verdicts(one, two, exact, tag, masks):
                     if v.rounding:
                         continue
-                    factor = AFTER_STEP_FACTOR if what == "after" else ONE_STEP_FACTOR
-                    needed = factor * v.apart / v.bound if v.bound else math.inf * v.apart
+                    needed = ONE_STEP_FACTOR * v.apart / v.bound if v.bound else (math.inf if v.apart else 0.0)
                     if not needed <= worst[model, tag, what][0]:
                         worst[model, tag, what] = (needed, f"seed {seed}, global batch {k}: {v}")
     for (model, tag, what), (needed, where) in sorted(worst.items()):

@@ -11,11 +11,15 @@ one: how far the 1-device step in float32 (bf16) is from it is that step's own r
 n + 1, per tensor, 2 devices are within ONE_STEP_FACTOR x that rounding (at least one unit of the precision) of 1
 device, as the norm of the difference over the tensor's elements:
 - the gradient each optimizer step sees, after the all-reduce;
-- the weights and buffers after the step, within AFTER_STEP_FACTOR x the update's rounding (float64's update against
-  this precision's; at least one unit of the stored value), and at least what the gradient's bound carries into
-  each element's update. Elements whose gradient is within its bound of zero in both runs are left out: their sign
-  is rounding's, and AdamW steps by the sign;
-- every value the module logged in the step, which is also the same on both ranks, bit for bit.
+- the buffers after the step (BatchNorm's statistics and counts; and any parameter nothing trained), against the
+  rounding of what the step changed (float64's change of the same state against this precision's; at least one
+  unit of the stored value). A trained parameter after the step is not judged: it is the shared optimizer state's
+  function of the gradient judged above, and AdamW can make any size of update of a gradient's rounding (its
+  momentum nearly cancelled, a small change of the gradient is a large one of the update); the float64 runs judge
+  the optimizer over a whole training, to ~1e-12;
+- every value the module logged in the step (at least one unit of the precision of itself: a single number's
+  distance from float64 is one draw of its rounding, no measure of its scale), which is also the same on both
+  ranks, bit for bit.
 Elements that got no gradient in the float64 runs (bounds.no_gradient) are left out: their gradient is a
 cancelled sum's rounding, at a scale the tensor itself does not show. Both ranks hold the same weights and buffers
 after every step, bit for bit.
@@ -40,14 +44,12 @@ import torch
 from .bounds import no_gradient
 from .runs import STEP_PRECISIONS, Run, Waves, comparable, reads
 
-# 2 devices' difference over the step's own rounding, worst tensor of any point: at most 2.34 x (GPT-2, small
-# BatchNorm CNN, ResNet-18, TinyBert; seeds 0-4, float32 and bf16), 4.62 x for a MobileNetV3-small's squeeze-
-# excitation bias (float32, seed 3): docs/measurements.md, "The one-step check"; 8 leaves 1.7 x.
-ONE_STEP_FACTOR = 8.0
-# The weights after the step: AdamW's step grows its gradient's rounding most where that gradient is small, beyond
-# 1 device's own draw of it: 2 devices needed up to 5.9 x (a MobileNetV3-small's 8-element squeeze-excitation bias,
-# float32, seed 42; 0.9 at most elsewhere: docs/measurements.md, "The one-step check"); 20 leaves 3.4 x.
-AFTER_STEP_FACTOR = 20.0
+# 2 devices' difference over the step's own rounding, worst tensor of any point: gradients at most 2.12 x (GPT-2,
+# small BatchNorm CNN, ResNet-18, TinyBert; seeds 0-4, float32 and bf16), 5.13 x for a MobileNetV3-small's
+# squeeze-excitation weight (bf16, seed 6; seeds 0-7 and 42); buffers after the step 3.01 x; logged values 0.1 x
+# (docs/measurements.md, "The one-step check"). 12 leaves 2.3 x over the worst seen; the bugs of test_model_families
+# stay over it.
+ONE_STEP_FACTOR = 12.0
 EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
 
 
@@ -98,10 +100,9 @@ def step_verdicts(
     precision: str,
     no_gradient: Mapping[str, torch.Tensor] | None = None,
     factor: float = ONE_STEP_FACTOR,
-    after_factor: float = AFTER_STEP_FACTOR,
 ) -> list:
     """The verdicts of 2 devices' steps (`two`) against 1 device's (`one`) in `precision`, at every global batch but
-    the first (from each run's own initialization; see the module's docstring): each gradient, tensor after the step
+    the first (from each run's own initialization; see the module's docstring): each gradient, buffer after the step
     and logged value, as the norm of the difference (all its elements' at once: a single element's rounding can
     jump where an activation has a kink) against that step's own rounding, how far 1 device's is from the same step
     in float64 (`exact`), at least one unit of the precision; as (global batch, what, StepVerdict), what being
@@ -112,55 +113,39 @@ def step_verdicts(
         if not k:
             continue
         a, b, e = one[k], two[k], exact[k]
-        rounding_level: dict[str, torch.Tensor] = {}
-        sensitivity: dict[str, torch.Tensor] = {}  # per element: the gradient's bound over the gradient, at most 1
+        trained = set()
         for ga, gb, ge in zip(a["grads"], b["grads"], e["grads"], strict=True):
             for name, x in ga.items():
+                trained.add(name)
                 none = no_gradient.get(name, torch.zeros_like(x, dtype=torch.bool)).reshape(x.shape)
                 y, z = gb[name], ge[name]
                 if none.all():
                     verdict = StepVerdict(name, norm(x - y), math.nan, math.inf, "no gradient in float64")
                     out.append((k, "gradient", verdict))
-                    rounding_level[name] = none
                     continue
                 xs, ys, zs = x[~none], y[~none], z[~none]
                 rounding = max(norm(xs.double() - zs.double()), eps * norm(xs))
                 note = f"{int(none.sum())} of {none.numel()} elements without gradient left out" if none.any() else ""
-                verdict = judged(name, xs, ys, rounding, factor, note)
-                out.append((k, "gradient", verdict))
-                # An element within the gradient's bound (as a root mean square) of zero in both runs: rounding's sign.
-                per_element = verdict.bound / max(1, xs.numel()) ** 0.5
-                small = none | ((x.abs() <= per_element) & (y.abs() <= per_element))
-                sensitivity[name] = per_element / x.abs().double().clamp_min(per_element)
-                rounding_level[name] = rounding_level[name] & small if name in rounding_level else small
+                out.append((k, "gradient", judged(name, xs, ys, rounding, factor, note)))
+        # What the step wrote besides the optimizer's update: buffers (BatchNorm's statistics and counts) and
+        # parameters nothing trained. A trained parameter is not judged after the step: it is the shared optimizer
+        # state's function of the judged gradient, and AdamW can turn a gradient's rounding into any size of update
+        # (docs/measurements.md, "The one-step check"); the float64 runs judge the optimizer over a whole training.
         for name, x in a["after"].items():
+            if name in trained:
+                continue
             y = b["after"][name]
             if not x.is_floating_point():  # a count (num_batches_tracked): exact
-                out.append((k, "after", judged(name, x, y, 0.0, after_factor)))
-                continue
-            keep = ~rounding_level[name] if name in rounding_level else torch.ones_like(x, dtype=torch.bool)
-            if not keep.any():
-                reason = "no gradient: every element without, or within its gradient's bound of zero"
-                out.append((k, "after", StepVerdict(name, norm(x - y), math.nan, math.inf, reason)))
+                out.append((k, "after", judged(name, x, y, 0.0, factor)))
                 continue
             # The update's rounding: float64's update of the same state against this precision's.
             step, exact_step = (x - a["before"][name].to(x.dtype)), (e["after"][name] - e["before"][name])
-            xs, ys = x[keep], y[keep]
-            update = max(norm(exact_step[keep] - step[keep].double()), eps * norm(step[keep]))
-            # AdamW divides a gradient by its history: an element whose gradient is known only to within r of it
-            # moves by up to r of its update (a MobileNetV3-small's BatchNorm weight, 1 element of 16 above
-            # rounding, bf16, seed 3: 1.8 x the bound without this; docs/measurements.md, "The one-step check").
-            # That is a bound already (the gradient's, its factor included), so after_factor does not multiply it.
-            carried = norm(step[keep].double() * sensitivity[name][keep]) if name in sensitivity else 0.0
-            update = max(update, carried / after_factor)
-            stored = torch.finfo(x.dtype).eps * norm(xs)
-            note = f"{int((~keep).sum())} of {keep.numel()} elements with rounding-level gradients left out"
-            out.append(
-                (k, "after", judged(name, xs, ys, max(update, stored), after_factor, note if not keep.all() else ""))
-            )
+            update = max(norm(exact_step - step.double()), eps * norm(step))
+            stored = torch.finfo(x.dtype).eps * norm(x)
+            out.append((k, "after", judged(name, x, y, max(update, stored), factor)))
         for tag, value in a["logged"].items():
             x, y, z = (torch.tensor([v], dtype=torch.float64) for v in (value, b["logged"][tag], e["logged"][tag]))
-            rounding = max(norm(z - x), torch.finfo(torch.float32).eps * abs(value))
+            rounding = max(norm(z - x), eps * abs(value))
             out.append((k, "logged", judged(tag, x, y, rounding, factor)))
     return out
 
@@ -186,8 +171,8 @@ def step_runs(cpu_runs: Waves, tag: str) -> tuple[Run, ...]:
 @reads("1dev-fp64", "2dev-fp64", "step-1dev-{precision}", "step-2dev-{precision}", "step-1dev-fp64")
 def test_one_step_from_the_same_state_matches_1_vs_2_devices(cpu_runs, steps, precision):
     """From the same states (global batches 0, 1, n and n + 1), one step on 2 devices gives 1 device's all-reduced
-    gradient, weights, buffers and logged values within ONE_STEP_FACTOR x that step's own rounding, per tensor (how
-    far the same step in float64 is from 1 device's, at least one unit of the precision), in float32 and bf16-mixed."""
+    gradient, buffers and logged values within ONE_STEP_FACTOR x that step's own rounding, per tensor (how far the
+    same step in float64 is from 1 device's, at least one unit of the precision), in float32 and bf16-mixed."""
     comparable(steps)
     one, two, exact = (records(run) for run in step_runs(cpu_runs, precision))
     expected = sorted({0, 1, steps["steps_per_epoch"], steps["steps_per_epoch"] + 1} - {2 * steps["steps_per_epoch"]})
@@ -199,8 +184,7 @@ def test_one_step_from_the_same_state_matches_1_vs_2_devices(cpu_runs, steps, pr
     over = [(k, what, v) for k, what, v in verdicts if v.over]
     by_point = sorted({(k, what) for k, what, _ in over})
     assert not over, f"step-2dev-{precision} vs step-1dev-{precision}, bound {ONE_STEP_FACTOR:g} x the step's own " + (
-        f"rounding ({AFTER_STEP_FACTOR:g} x after the step): 1 device's difference from the same step in float64, "
-        "at least one unit of the precision:\n"
+        "rounding: 1 device's difference from the same step in float64, at least one unit of the precision:\n"
         + "\n".join(
             f"global batch {k}, {what}:\n" + step_report([v for kk, w, v in verdicts if (kk, w) == (k, what)])
             for k, what in by_point
