@@ -238,7 +238,18 @@ def test_comm_part_matches_the_allreduce_alone(runs, allreduce_alone, name):
     mb, in_step = runs[name].grad_mb, components(runs[name])["comm"]
     alone = allreduce_alone[mb]
     print(f"{name}, {mb:.3g} MB: in the step {in_step:.2f} ms, alone {alone:.2f} ms")
+    if name == "grad-2":
+        assert alone > 0 and 1 / BANDWIDTH_FACTOR <= in_step / alone <= BANDWIDTH_FACTOR
+        return
     assert abs(in_step - alone) <= ALONE["comm"](alone) + (PEER_WAKE_UP_MS if name == "straggler-2" else 0.0)
+
+
+# A 32 MB all-reduce is a copy bound by memory bandwidth, which a shared 2-core host (CI's background jobs run
+# beside these tests) gives the step and the timing alone unequally, either way: in the step over alone 1.50, 0.57
+# and 2.21 in three CI runs of 2026-12-04/05, 0.9-1.05 idle (docs/measurements.md). It is held to its size: within
+# BANDWIDTH_FACTOR either way, which a comm part that misses the all-reduce (near 0) fails; the 0.1 and 0.25 MB
+# runs carry alone.TOLERANCE, and with it the mutation that bound is for (the CPU wait left in the comm part).
+BANDWIDTH_FACTOR = 3.0
 
 
 # With a straggler, the last rank's all-reduce also waits for its peer, blocked in gloo for 60 ms, to be woken
