@@ -3,8 +3,9 @@
 A project's own code meets it through a few public names: its data module subclasses
 `GlobalBatchDataModule` (global batch, micro-batches, sampling, exact resume, exactly-once evaluation), or
 `StreamingDataModule` for shards that do not fit in memory (the same promises, ddpkit.data.streaming),
-its `configure_optimizers` may return `optimization(...)`, and its `configure_model` may call
-`compile_layers` and `shard_layers`. `main.py` runs `ddpkit.run.cli.main`; `tests/` runs `ddpkit.testing`.
+its `configure_optimizers` may return `optimization(...)`, its `configure_model` may call
+`compile_layers` and `shard_layers`, and its `training_step` may divide a loss by the global batch's count
+(`global_mean`). `main.py` runs `ddpkit.run.cli.main`; `tests/` runs `ddpkit.testing`.
 
 The modules live in one subpackage per concern (docs/design.md draws them): `data` (what a fit reads), `model`
 (what a model's own code calls), `run` (the CLI and what it wires into a fit), `scaling` (measuring), `tune`
@@ -29,12 +30,14 @@ if TYPE_CHECKING:  # what editors and type checkers read
     from .data.global_batch import GlobalBatchDataModule
     from .data.streaming import StreamingDataModule
     from .model.compiling import compile_layers
+    from .model.losses import global_mean
     from .model.schedules import WarmupCosine, optimization
     from .model.sharding import shard_layers
 
 _HOMES = {
     "compile_layers": "model.compiling",
     "GlobalBatchDataModule": "data.global_batch",
+    "global_mean": "model.losses",
     "WarmupCosine": "model.schedules",
     "optimization": "model.schedules",
     "shard_layers": "model.sharding",
@@ -47,6 +50,7 @@ __all__ = [
     "WarmupCosine",
     "__version__",
     "compile_layers",
+    "global_mean",
     "optimization",
     "shard_layers",
 ]

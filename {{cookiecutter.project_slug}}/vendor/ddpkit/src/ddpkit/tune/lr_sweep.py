@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint
 
+from ..model.losses import step_mean
 from .lr_curve import diverged, sweep_lr
 
 
@@ -101,11 +102,13 @@ class LRSweep(Callback):
         k = len(self.losses)
         if trainer.global_step - self.start == k:  # no optimizer step yet: more micro-batches to come
             return
-        # Every rank holds the same number of samples: the mean of the ranks' means is the global batch's loss.
+        # A loss of ddpkit.global_mean is already the step's global mean (its value is, on every rank). Otherwise every
+        # rank holds the same number of samples: the mean of the ranks' means is the global batch's loss.
         total = trainer.strategy.reduce(self.pending.clone(), reduce_op="sum")
         self.pending.zero_()
         self.lrs.append(sweep_lr(self.min_lr, self.max_lr, self.steps, k))
-        self.losses.append(total.item() / trainer.world_size)
+        step = step_mean(pl_module, trainer.global_step - 1)
+        self.losses.append(total.item() / trainer.world_size if step is None else step)
         # The loss is all-reduced, so every rank decides alike; agreeing makes sure they stop after the same step.
         if trainer.strategy.reduce_boolean_decision(diverged(self.losses, self.stop_factor), all=False):
             self.stopped = f"diverged at step {k} (lr {self.lrs[-1]:.3g})"

@@ -1,0 +1,120 @@
+"""Fits for test_global_mean.py: `python global_mean_fit.py OUT DEVICES NAME...` trains each named variant, one fit
+after another in the same processes (Lightning launches rank 1 at the first fit), and rank 0 writes OUT/{DEVICES}dev-NAME.pt: the
+trained weights, the `train/loss` logged at each step and the learning-rate sweep's losses.
+
+NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
+- LOSS: `tokens` (a per-token cross-entropy over padded sequences of 1 to 8 tokens), `weighted` (a class-weighted
+  cross-entropy, one label a sequence), `masked` (a masked mean squared error);
+- COUNT: `global` (ddpkit.global_mean: the step's count over every rank and micro-batch) or `batch` (the mean over the
+  batch the step is given: the loss as usually written, which divides by each rank's, each micro-batch's count);
+- ACCUMULATION: micro-batches per optimizer step.
+Each fit: float64, 4 optimizer steps of a global batch of 16 sequences, SGD, gradient clipping at norm 0.8 and the
+learning-rate finder's sweep (ddpkit.tune.lr_sweep.LRSweep, lr 0.1 to 1). The gradient's norm is 0.3 to 1.4 (0.33 to
+0.43 for `tokens`): the clipping cuts some steps and not others, so both a gradient of the wrong scale and a clipping
+that saw one change the weights; the sweep records what it takes for the step's loss.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from ddpkit import global_mean
+from ddpkit.tune.lr_sweep import LRSweep
+
+GLOBAL_BATCH, STEPS, TOKENS, FEATURES, CLASSES = 16, 4, 8, 6, 5
+PAD = -100
+CLASS_WEIGHTS = torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0], dtype=torch.float64)
+
+
+def dataset() -> TensorDataset:
+    """Sequences of 1 to TOKENS tokens padded to TOKENS: features, labels (PAD where padded), regression targets."""
+    g = torch.Generator().manual_seed(0)
+    n = GLOBAL_BATCH * STEPS
+    x = torch.randn(n, TOKENS, FEATURES, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (n, TOKENS), generator=g)
+    lengths = torch.randint(1, TOKENS + 1, (n,), generator=g)
+    padded = torch.arange(TOKENS)[None, :] >= lengths[:, None]
+    y[padded] = PAD
+    target = torch.randn(n, TOKENS, generator=g, dtype=torch.float64)
+    return TensorDataset(x, y, target)
+
+
+class Tagger(L.LightningModule):
+    def __init__(self, loss: str, count: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(FEATURES, CLASSES, dtype=torch.float64)
+        self.loss, self.count = loss, count
+
+    def training_step(self, batch, batch_idx):
+        x, y, target = batch
+        logits = self.layer(x)  # (B, T, C)
+        if self.loss == "tokens":
+            summed = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD, reduction="sum")
+            count = (y != PAD).sum()
+        elif self.loss == "weighted":
+            first = y[:, 0]  # every sequence has its first token
+            weights = CLASS_WEIGHTS.to(logits.device)
+            summed = F.cross_entropy(logits[:, 0], first, weight=weights, reduction="sum")
+            count = weights[first].sum()
+        else:
+            mask = (y != PAD).to(logits.dtype)
+            summed = ((logits[..., 0] - target) ** 2 * mask).sum()
+            count = mask.sum()
+        loss = global_mean(summed, count, self) if self.count == "global" else summed / count
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Record(L.Callback):
+    """The logged train/loss after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if len(self.logged) < trainer.global_step:
+            self.logged.append(trainer.callback_metrics["train/loss"].item())
+
+
+def loader(devices: int, rank: int, accumulate: int) -> DataLoader:
+    """Rank `rank`'s micro-batches: optimizer step k trains on global batch k (samples k x 16 to k x 16 + 15) on any
+    device count and accumulation."""
+    micro = GLOBAL_BATCH // (devices * accumulate)
+    indices = [
+        k * GLOBAL_BATCH + (rank * accumulate + m) * micro + i
+        for k in range(STEPS)
+        for m in range(accumulate)
+        for i in range(micro)
+    ]
+    return DataLoader(Subset(dataset(), indices), batch_size=micro, shuffle=False)
+
+
+def fit(out: Path, devices: int, name: str) -> None:
+    loss, count, accumulate = name.split("-")
+    module, record = Tagger(loss, count), Record()
+    sweep = LRSweep(min_lr=0.1, max_lr=1.0, steps=STEPS, stop_factor=1e6, out=str(out / f"{devices}dev-{name}-sweep.json"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy="ddp", precision="64-true", max_steps=STEPS,
+        accumulate_grad_batches=int(accumulate), gradient_clip_val=0.8, use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[record, sweep], default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader(devices, int(os.environ.get("LOCAL_RANK", 0)), int(accumulate)))
+    if trainer.is_global_zero:
+        torch.save({"weights": module.layer.state_dict(), "logged": record.logged, "swept": sweep.losses}, out / f"{devices}dev-{name}.pt")
+
+
+if __name__ == "__main__":
+    out, devices, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    for variant in names:
+        fit(out, devices, variant)

@@ -1,0 +1,79 @@
+"""`ddpkit.global_mean`: a loss divided by a count its batch works out trains 1 device's weights on 2 CPU processes
+and in micro-batches, and logs and sweeps 1 device's loss; the same loss divided by each rank's or each micro-batch's
+own count does not.
+
+Two launches of global_mean_fit.py run together (one job: 30 CPU-s, 110 s of wall time on 2 cores shared with
+other work, 2026-12-05): 1 device (the loss over the whole global batch: the reference; global_mean in 4 micro-batches;
+each micro-batch's own count in 4) and 2 processes over gloo (global_mean in 2 micro-batches a rank; each rank's own
+count), each for a per-token cross-entropy over padded sequences, a class-weighted cross-entropy and a masked mean
+squared error, in float64.
+"""
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from procs import TESTS, finish, start
+
+LOSSES = ["tokens", "weighted", "masked"]
+# float64: global_mean's weights, logged losses and swept losses were 1.3e-16 to 5.1e-16 of the reference's (the
+# three losses, measured 2026-12-05, docs/measurements.md); a rounding of float64 sums, with room.
+EXACT = 1e-12
+# A count of the rank's or the micro-batch's own samples moved the weights by 0.085 to 0.38 of their size (the three
+# losses): 1e-4 is far below what a wrong count does and far above rounding.
+WRONG = 1e-4
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict[str, dict]:
+    """Every variant's record (global_mean_fit.py), by `{devices}dev-{loss}-{count}-{micro-batches}`."""
+    out = tmp_path_factory.mktemp("global_mean")
+    one = [f"{loss}-{variant}" for loss in LOSSES for variant in ("batch-1", "global-4", "batch-4")]
+    two = [f"{loss}-{variant}" for loss in LOSSES for variant in ("global-2", "batch-1")]
+    script = str(TESTS / "global_mean_fit.py")
+    procs = [start([sys.executable, script, str(out), str(n), *names], out, {"OMP_NUM_THREADS": "1"}) for n, names in ((1, one), (2, two))]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda p: finish(p, 300), procs))
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+    return {path.stem: torch.load(path) for path in Path(out).glob("*.pt")}
+
+
+def relative(a: dict, b: dict) -> float:
+    """The largest difference of a weight tensor, relative to the largest value in the reference's tensor."""
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+
+def relative_values(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == 4
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_global_mean_trains_1_devices_weights_on_2_processes_and_in_micro_batches(fits, loss):
+    """Divided by the step's count over every rank and micro-batch, 2 processes x 2 micro-batches and 1 device x 4
+    train the weights of 1 device given the whole global batch, with clipping on."""
+    reference = fits[f"1dev-{loss}-batch-1"]["weights"]
+    assert relative(fits[f"2dev-{loss}-global-2"]["weights"], reference) <= EXACT
+    assert relative(fits[f"1dev-{loss}-global-4"]["weights"], reference) <= EXACT
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_global_mean_logs_and_sweeps_the_global_batchs_loss(fits, loss):
+    """The train/loss logged at each step and the learning-rate finder's loss of each step are the global batch's
+    mean, on 2 processes and in micro-batches alike."""
+    reference = fits[f"1dev-{loss}-batch-1"]
+    for name in (f"2dev-{loss}-global-2", f"1dev-{loss}-global-4"):
+        assert relative_values(fits[name]["logged"], reference["logged"]) <= EXACT, name
+        assert relative_values(fits[name]["swept"], reference["swept"]) <= EXACT, name
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_count_per_rank_or_per_micro_batch_trains_other_weights(fits, loss):
+    """The same loss divided by each rank's own count (2 processes) or each micro-batch's (1 device x 4) trains
+    other weights than the global batch's mean: what global_mean is for, and what the suite names."""
+    reference = fits[f"1dev-{loss}-batch-1"]["weights"]
+    assert relative(fits[f"2dev-{loss}-batch-1"]["weights"], reference) > WRONG
+    assert relative(fits[f"1dev-{loss}-batch-4"]["weights"], reference) > WRONG

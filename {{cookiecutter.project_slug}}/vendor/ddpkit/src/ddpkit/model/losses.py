@@ -1,0 +1,94 @@
+"""A loss that divides by a count its batch works out (non-padding tokens, a mask's ones, the sum of class weights):
+`global_mean` makes the count the optimizer step's, over every rank and micro-batch, so the step trains the same
+weights on any device count and micro-batch size.
+
+`F.cross_entropy(logits, y, ignore_index=pad)` divides by the tokens of the batch it is given. Under DDP each rank
+is given its share of the global batch and DDP averages the ranks' gradients; with micro-batches Lightning divides
+each one's loss by their number: a mean of means, which is the global batch's mean only where every rank and
+micro-batch counts the same. Written with the loss's sum and its count,
+
+    loss = global_mean(F.cross_entropy(logits, y, ignore_index=pad, reduction="sum"), (y != pad).sum(), self)
+
+returns, in `training_step`, a loss whose gradient, once DDP and Lightning have averaged it, is the gradient of the
+global batch's sum over its global count. Each call all-reduces the micro-batch's count and loss sum (one collective
+of two float64 numbers) and rescales the gradient the step's earlier micro-batches left, so that after every backward
+the gradients are the global mean's so far: gradient clipping and every hook see them normalised. The returned
+value is the step's global mean so far, the same on every rank, so `self.log("train/loss", loss)` logs the global
+batch's mean at the step's last micro-batch. Outside training (validation, test) it returns `loss_sum / count`, the
+batch's own mean. The manual: vendor/ddpkit/docs/losses.md.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+# The module attribute that holds the step's sums so far; the learning-rate finder reads it (step_mean).
+STATE = "_ddpkit_global_mean"
+
+
+@dataclass
+class StepSums:
+    """The optimizer step being accumulated: its `global_step`, how many micro-batches it has had, and its loss sum
+    and count over every rank so far (float64). `denominator` is the count the gradients are divided by now."""
+
+    step: int
+    micro_batches: int
+    total: Tensor
+    count: Tensor
+
+    @property
+    def denominator(self) -> Tensor:
+        # A step whose samples so far count nothing (every token padding) has a zero sum too: divide by 1, not 0.
+        return torch.where(self.count > 0, self.count, torch.ones_like(self.count))
+
+
+def global_mean(loss_sum: Tensor, count: Tensor | int | float, module: LightningModule) -> Tensor:
+    """`loss_sum / count` of the optimizer step's global batch (every rank's, every micro-batch's), as the loss to
+    return from `training_step`: `loss_sum` is this micro-batch's summed loss, `count` what it divides by (tokens,
+    masked elements, the summed class weights of its targets)."""
+    trainer = module.trainer
+    if not trainer.training:
+        return loss_sum / count
+    count = torch.as_tensor(count, device=loss_sum.device).to(torch.float64)
+    sums = trainer.strategy.reduce(torch.stack([loss_sum.detach().to(torch.float64), count]), reduce_op="sum")
+    last: StepSums | None = getattr(module, STATE, None)
+    # Lightning zeroes the gradients after the first micro-batch's training_step, so the gradients there are the
+    # previous step's: only a later micro-batch of the same step has gradients to rescale.
+    same_step = (
+        last is not None
+        and last.step == trainer.global_step
+        and last.micro_batches < trainer.accumulate_grad_batches
+    )
+    if same_step:
+        now = StepSums(last.step, last.micro_batches + 1, last.total + sums[0], last.count + sums[1])
+        rescale(module, last.denominator / now.denominator)
+    else:
+        now = StepSums(trainer.global_step, 1, sums[0], sums[1])
+    setattr(module, STATE, now)
+    # DDP averages over the ranks and Lightning divides by the micro-batches per step: undo both, divide by the count.
+    scale = (trainer.world_size * trainer.accumulate_grad_batches / now.denominator).to(loss_sum.dtype)
+    loss = loss_sum * scale
+    # The value is the global mean so far (the same on every rank); the gradient is the scaled sum's.
+    return loss + ((now.total / now.denominator).to(loss.dtype) - loss.detach())
+
+
+def rescale(module: LightningModule, factor: Tensor) -> None:
+    """Multiply every gradient the module holds by `factor` (the step's earlier micro-batches' share, re-divided)."""
+    by_dtype: dict[torch.dtype, Tensor] = {}
+    for parameter in module.parameters():
+        grad = parameter.grad
+        if grad is not None:
+            if grad.dtype not in by_dtype:
+                by_dtype[grad.dtype] = factor.to(device=grad.device, dtype=grad.dtype)
+            grad.mul_(by_dtype[grad.dtype])
+
+
+def step_mean(module: LightningModule, step: int) -> float | None:
+    """The global mean of optimizer step `step` where the module's training_step returned `global_mean`'s loss in it,
+    else None (the learning-rate finder's loss of the step)."""
+    sums: StepSums | None = getattr(module, STATE, None)
+    if sums is None or sums.step != step:
+        return None
+    return (sums.total / sums.denominator).item()
