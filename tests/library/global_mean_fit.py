@@ -21,11 +21,10 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, Subset, TensorDataset
-
 from ddpkit import global_mean
 from ddpkit.tune.lr_sweep import LRSweep
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 GLOBAL_BATCH, STEPS, TOKENS, FEATURES, CLASSES = 16, 4, 8, 6, 5
 PAD = -100
@@ -102,16 +101,21 @@ def loader(devices: int, rank: int, accumulate: int) -> DataLoader:
 def fit(out: Path, devices: int, name: str) -> None:
     loss, count, accumulate = name.split("-")
     module, record = Tagger(loss, count), Record()
-    sweep = LRSweep(min_lr=0.1, max_lr=1.0, steps=STEPS, stop_factor=1e6, out=str(out / f"{devices}dev-{name}-sweep.json"))
+    sweep = LRSweep(
+        min_lr=0.1, max_lr=1.0, steps=STEPS, stop_factor=1e6, out=str(out / f"{devices}dev-{name}-sweep.json")
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy="ddp", precision="64-true", max_steps=STEPS,
         accumulate_grad_batches=int(accumulate), gradient_clip_val=0.8, use_distributed_sampler=False,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[record, sweep], default_root_dir=out,
     )  # fmt: skip
-    trainer.fit(module, train_dataloaders=loader(devices, int(os.environ.get("LOCAL_RANK", 0)), int(accumulate)))
+    trainer.fit(module, train_dataloaders=loader(devices, int(os.environ.get("LOCAL_RANK", "0")), int(accumulate)))
     if trainer.is_global_zero:
-        torch.save({"weights": module.layer.state_dict(), "logged": record.logged, "swept": sweep.losses}, out / f"{devices}dev-{name}.pt")
+        torch.save(
+            {"weights": module.layer.state_dict(), "logged": record.logged, "swept": sweep.losses},
+            out / f"{devices}dev-{name}.pt",
+        )
 
 
 if __name__ == "__main__":

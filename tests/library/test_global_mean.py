@@ -33,7 +33,10 @@ def fits(tmp_path_factory) -> dict[str, dict]:
     one = [f"{loss}-{variant}" for loss in LOSSES for variant in ("batch-1", "global-4", "batch-4")]
     two = [f"{loss}-{variant}" for loss in LOSSES for variant in ("global-2", "batch-1")]
     script = str(TESTS / "global_mean_fit.py")
-    procs = [start([sys.executable, script, str(out), str(n), *names], out, {"OMP_NUM_THREADS": "1"}) for n, names in ((1, one), (2, two))]
+    procs = [
+        start([sys.executable, script, str(out), str(n), *names], out, {"OMP_NUM_THREADS": "1"})
+        for n, names in ((1, one), (2, two))
+    ]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda p: finish(p, 300), procs))
     for result in results:

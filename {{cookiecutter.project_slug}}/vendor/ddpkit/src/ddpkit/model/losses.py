@@ -44,7 +44,7 @@ class StepSums:
         return torch.where(self.count > 0, self.count, torch.ones_like(self.count))
 
 
-def global_mean(loss_sum: Tensor, count: Tensor | int | float, module: LightningModule) -> Tensor:
+def global_mean(loss_sum: Tensor, count: Tensor | float, module: LightningModule) -> Tensor:
     """`loss_sum / count` of the optimizer step's global batch (every rank's, every micro-batch's), as the loss to
     return from `training_step`: `loss_sum` is this micro-batch's summed loss, `count` what it divides by (tokens,
     masked elements, the summed class weights of its targets)."""
@@ -57,9 +57,7 @@ def global_mean(loss_sum: Tensor, count: Tensor | int | float, module: Lightning
     # Lightning zeroes the gradients after the first micro-batch's training_step, so the gradients there are the
     # previous step's: only a later micro-batch of the same step has gradients to rescale.
     same_step = (
-        last is not None
-        and last.step == trainer.global_step
-        and last.micro_batches < trainer.accumulate_grad_batches
+        last is not None and last.step == trainer.global_step and last.micro_batches < trainer.accumulate_grad_batches
     )
     if same_step:
         now = StepSums(last.step, last.micro_batches + 1, last.total + sums[0], last.count + sums[1])
