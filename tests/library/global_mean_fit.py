@@ -2,7 +2,7 @@
 after another in the same processes (Lightning launches rank 1 at the first fit), and rank 0 writes OUT/{DEVICES}dev-NAME.pt: the
 trained weights, the `train/loss` logged at each step and the learning-rate sweep's losses.
 
-NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
+`Tagger` and `Sequences` are also the model and data of the suite's probe tests. NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
 - LOSS: `tokens` (a per-token cross-entropy over padded sequences of 1 to 8 tokens), `weighted` (a class-weighted
   cross-entropy, one label a sequence), `masked` (a masked mean squared error);
 - COUNT: `global` (ddpkit.global_mean: the step's count over every rank and micro-batch) or `batch` (the mean over the
@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from ddpkit import global_mean
+from ddpkit import GlobalBatchDataModule, global_mean
 from ddpkit.tune.lr_sweep import LRSweep
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -44,8 +44,18 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y, target)
 
 
+class Sequences(GlobalBatchDataModule):
+    """dataset() as a GlobalBatchDataModule, for the suite's probe (test_global_mean.py)."""
+
+    def train_dataset(self) -> TensorDataset:
+        return dataset()
+
+
 class Tagger(L.LightningModule):
-    def __init__(self, loss: str, count: str) -> None:
+    """A linear tagger trained with one of the three losses (`loss`), divided by the step's global count (`count`
+    "global") or by the batch's own ("batch")."""
+
+    def __init__(self, loss: str = "tokens", count: str = "batch") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = nn.Linear(FEATURES, CLASSES, dtype=torch.float64)

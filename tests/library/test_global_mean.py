@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddpkit.testing.loss_probe import batch_mean_line
+from ddpkit.testing.runs import comparable, plan
+from global_mean_fit import Sequences, Tagger
 from procs import TESTS, finish, start
 
 LOSSES = ["tokens", "weighted", "masked"]
@@ -80,3 +83,18 @@ def test_a_count_per_rank_or_per_micro_batch_trains_other_weights(fits, loss):
     reference = fits[f"1dev-{loss}-batch-1"]["weights"]
     assert relative(fits[f"2dev-{loss}-batch-1"]["weights"], reference) > WRONG
     assert relative(fits[f"1dev-{loss}-batch-4"]["weights"], reference) > WRONG
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_the_suite_names_a_per_batch_count_and_the_fix_before_any_run(loss):
+    """The configured-model probe (one float64 step on 1 device, the global batch whole and in 2 micro-batches) gives
+    the line that names the count and global_mean for the loss as usually written, and nothing with global_mean; the
+    suite's comparisons then fail with that line first (runs.comparable)."""
+    written = batch_mean_line(Tagger(loss, "batch"), Sequences(global_batch_size=16))
+    assert written.startswith("Tagger's loss of a batch is not the mean of its samples' losses: it divides by a count")
+    assert "return `ddpkit.global_mean(loss_sum, count, self)` from training_step" in written
+    assert "vendor/ddpkit/docs/losses.md" in written
+    assert batch_mean_line(Tagger(loss, "global"), Sequences(global_batch_size=16)) == ""
+    steps = plan({"steps_per_epoch": 4, "global_batch_size": 16, "takes_micro_batch_size": True, "batch_mean": written})
+    with pytest.raises(pytest.fail.Exception, match="^Tagger's loss of a batch is not the mean"):
+        comparable(steps)

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..lightning_internals import BatchNormBase, ddp_kwargs
 from .helpers import project, run_main
+from .loss_probe import batch_mean_line
 from .parity_probe import NoDropout, sample_keys
 
 
@@ -97,6 +98,8 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
     - `random_step`: "" when the two ends are equal bit for bit, or when the two batches differ (then the data, not
       the step, changed: the ranks' data is checked by check_data.py), else why 1 and N devices cannot train the same
       weights (functional dropout, noise drawn in the step: each rank draws its own) and how to switch it off;
+    - `batch_mean`: "" unless the loss of the batch is not the mean of its samples' losses (a count the batch works
+      out: loss_probe.py), else the line that says so and the fix;
     - `unused_parameters`: "" unless a backward of the step leaves a parameter that requires a gradient without one
       while `unused_ok` is False (the configured DDP does not look for unused parameters; None: not DDP): then
       DDP's runs would stop at their first step, and the line says which parameters and the setting.
@@ -127,7 +130,9 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
             "(the manual: vendor/ddpkit/docs/your-model.md, step 2)"
         )
     unused = "" if unused_ok in (True, None) or not one.unused else unused_line(model, one, strategy_config)
-    return {"steps_per_batch": steps, "random_step": random_step, "unused_parameters": unused}
+    # A step that draws random numbers differs in micro-batches anyway: that line comes first.
+    batch_mean = "" if random_step or unused else batch_mean_line(model, data)
+    return {"steps_per_batch": steps, "random_step": random_step, "unused_parameters": unused, "batch_mean": batch_mean}
 
 
 def seed_streams(seed: int) -> None:

@@ -63,7 +63,7 @@ def plan(configured: dict) -> dict:
     divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization) and
     has no BatchNorm (micro-batches would change its statistics). `steps_per_batch`: optimizer steps per global
     batch, which Lightning's global_step counts (several for a module that steps several optimizers itself);
-    `random_step`: why numbers cannot match (configured.probe_training_step)."""
+    `random_step`, `batch_mean`: why numbers cannot match (configured.probe_training_step)."""
     n, batch = configured["steps_per_epoch"], configured["global_batch_size"]
     batchnorm = configured.get("batchnorm", False)
     accumulates = configured["takes_micro_batch_size"] and not configured.get("manual_optimization")
@@ -78,6 +78,7 @@ def plan(configured: dict) -> dict:
         "manual_optimization": configured.get("manual_optimization", False),
         "steps_per_batch": configured.get("steps_per_batch", 1),
         "random_step": configured.get("random_step", ""),
+        "batch_mean": configured.get("batch_mean", ""),
         "stages": configured.get("stages", ["validate", "test", "predict"]),
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
@@ -101,28 +102,14 @@ def global_step(steps: dict, batches: int) -> int:
 
 def comparable(steps: dict) -> None:
     """Fail with the reason, instead of on a number, where the runs cannot train the same weights (a training
-    step that draws random numbers: configured.probe_training_step)."""
-    if steps.get("random_step"):
-        pytest.fail(steps["random_step"], pytrace=False)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    step that draws random numbers, a loss divided by a count of the batch it is given:
+    configured.probe_training_step)."""
+    for cause in ("random_step", "batch_mean"):
+        if steps.get(cause):
+            pytest.fail(steps[cause], pytrace=False)
 
 
 STEP_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
-
-
 
 
 # A rank that could not listen on its port: another run took the free port it was given in between (the runs start
@@ -293,8 +280,6 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-
-
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
     """Delete every checkpoint and weights file under `base` (a sharded checkpoint is a folder), keeping the logs
     and the probe's records; return how many files there were and their bytes (a hard-linked file once). The
@@ -323,7 +308,7 @@ STAGE_SETS = {"validate": "val", "test": "test", "predict": "predict"}
 def evaluation_runs(steps: dict) -> list[str]:
     """The third wave's runs of validate, test and predict for which the module defines a step and the data module
     a set."""
-    stage = lambda name: name.split("-")[0]  # noqa: E731
+    stage = lambda name: name.split("-")[0]
     return [name for name in EVALUATIONS if stage(name) in steps["stages"] and steps["sizes"][stage(name)]]
 
 
@@ -332,10 +317,6 @@ def best_checkpoint(run: Run) -> Path:
     states = torch.load(run.checkpoint(), map_location="cpu", weights_only=False)["callbacks"].values()
     (best,) = {s["best_model_path"] for s in states if isinstance(s, dict) and "best-" in s.get("best_model_path", "")}
     return Path(best)
-
-
-
-
 
 
 __all__ = [

@@ -1,0 +1,91 @@
+"""Whether the configured training step's loss of a batch is the mean of its samples' losses, found before any run
+(configured.py): one float64 optimizer step on 1 device from the same weights, the global batch whole and in 2
+micro-batches. DDP averages the ranks' gradients and Lightning the micro-batches', so only a loss that is a mean
+over samples trains on N devices what it trains on 1. A loss divided by a count its batch works out (non-padding
+tokens, a mask, class weights) gives the two steps gradients that differ in direction, not just size: then every
+comparison of the suite fails with one line that names the cause and the fix (runs.comparable). A loss summed over
+the batch halves the gradient in micro-batches without changing its direction; the weights and one-step checks
+name that by its numbers.
+"""
+
+import copy
+import tempfile
+
+import lightning as L
+import torch
+
+from ..lightning_internals import BatchNormBase
+from .parity_probe import NoDropout
+
+# float64, the same weights and samples: the gradient in 2 micro-batches was 1e-16 to 1e-15 of the whole batch's
+# apart where the loss is a mean over samples (the digits example, the toy, the padded LSTM and GPT-2 families), and
+# 1e-3 to 0.3 apart with a per-batch token, mask or class-weight count (docs/measurements.md, "Per-batch counts").
+APART = 1e-9
+
+
+class Gradients(NoDropout):
+    """Seeds the random streams at every micro-batch and keeps the gradient the optimizer step is given."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        torch.manual_seed(0)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def one_step(model, data, micro_batch_size: int | None) -> dict[str, torch.Tensor]:
+    """The gradient of the first global batch's optimizer step, float64, on 1 device, in micro-batches of
+    `micro_batch_size` (None: the whole batch)."""
+    torch.manual_seed(0)
+    model, data = copy.deepcopy(model), copy.deepcopy(data)
+    data.micro_batch_size = micro_batch_size
+    grads = Gradients()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, precision="64-true", max_steps=1, limit_val_batches=0,
+            num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[grads], default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(model, datamodule=data)
+    return grads.grads
+
+
+def batch_mean_line(model, data) -> str:
+    """ "" where the global batch's gradient in 2 micro-batches points where the whole batch's does, else the line
+    that says the loss is not a mean over samples, how far the two are apart, and the fix. Not looked at ("") where
+    the step cannot be split: manual optimization (no micro-batches), BatchNorm (micro-batches change its
+    statistics), a data module without micro-batches or an odd global batch."""
+    splits = (
+        model.automatic_optimization
+        and not any(isinstance(m, BatchNormBase) for m in model.modules())
+        and hasattr(data, "micro_batch_size")
+        and data.global_batch_size % 2 == 0
+    )
+    if not splits:
+        return ""
+    whole = one_step(model, data, None)
+    halves = one_step(model, data, data.global_batch_size // 2)
+    names = [n for n in whole if n in halves]
+    a = torch.cat([whole[n].flatten() for n in names])
+    b = torch.cat([halves[n].flatten() for n in names])
+    if not a.norm() > 0:
+        return ""
+    # The part of the micro-batches' gradient that is not a multiple of the whole batch's: a summed loss's halving
+    # is a multiple (left to the weights checks), a count's is not.
+    ratio = torch.dot(a, b) / torch.dot(a, a)
+    apart = ((b - ratio * a).norm() / a.norm()).item()
+    if apart <= APART:
+        return ""
+    worst = max(names, key=lambda n: ((halves[n] - ratio * whole[n]).norm() / whole[n].norm().clamp_min(1e-300)).item())
+    return (
+        f"{type(model).__name__}'s loss of a batch is not the mean of its samples' losses: it divides by a count the "
+        f"batch works out (tokens, a mask, class weights), so each rank and each micro-batch divides by its own "
+        f"(one float64 step on 1 device from the same weights: the global batch in 2 micro-batches gives a gradient "
+        f"{apart:.2g} of the whole batch's apart in direction, most in {worst}), and N devices cannot train 1 "
+        "device's weights: sum the loss and return `ddpkit.global_mean(loss_sum, count, self)` from training_step; "
+        "a ratio over the whole batch (a Dice, a contrastive loss) needs a per-sample form "
+        "(the manual: vendor/ddpkit/docs/losses.md)"
+    )
