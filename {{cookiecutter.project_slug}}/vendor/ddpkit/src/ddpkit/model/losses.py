@@ -30,9 +30,11 @@ STATE = "_ddpkit_global_mean"
 
 @dataclass
 class StepSums:
-    """The optimizer step being accumulated: its `global_step`, how many micro-batches it has had, and its loss sum
-    and count over every rank so far (float64). `denominator` is the count the gradients are divided by now."""
+    """The optimizer step being accumulated: the trainer's (its id), its `global_step`, how many micro-batches it
+    has had, and its loss sum and count over every rank so far (float64). `denominator` is the count the gradients
+    are divided by now."""
 
+    trainer: int
     step: int
     micro_batches: int
     total: Tensor
@@ -47,7 +49,8 @@ class StepSums:
 def global_mean(loss_sum: Tensor, count: Tensor | float, module: LightningModule) -> Tensor:
     """`loss_sum / count` of the optimizer step's global batch (every rank's, every micro-batch's), as the loss to
     return from `training_step`: `loss_sum` is this micro-batch's summed loss, `count` what it divides by (tokens,
-    masked elements, the summed class weights of its targets)."""
+    masked elements, the summed class weights of its targets). Call it once per training_step: a second call would
+    count as the step's next micro-batch (add the losses that share a count first)."""
     trainer = module.trainer
     if not trainer.training:
         return loss_sum / count
@@ -57,13 +60,16 @@ def global_mean(loss_sum: Tensor, count: Tensor | float, module: LightningModule
     # Lightning zeroes the gradients after the first micro-batch's training_step, so the gradients there are the
     # previous step's: only a later micro-batch of the same step has gradients to rescale.
     same_step = (
-        last is not None and last.step == trainer.global_step and last.micro_batches < trainer.accumulate_grad_batches
+        last is not None
+        and last.trainer == id(trainer)
+        and last.step == trainer.global_step
+        and last.micro_batches < trainer.accumulate_grad_batches
     )
     if same_step:
-        now = StepSums(last.step, last.micro_batches + 1, last.total + sums[0], last.count + sums[1])
+        now = StepSums(last.trainer, last.step, last.micro_batches + 1, last.total + sums[0], last.count + sums[1])
         rescale(module, last.denominator / now.denominator)
     else:
-        now = StepSums(trainer.global_step, 1, sums[0], sums[1])
+        now = StepSums(id(trainer), trainer.global_step, 1, sums[0], sums[1])
     setattr(module, STATE, now)
     # DDP averages over the ranks and Lightning divides by the micro-batches per step: undo both, divide by the count.
     scale = (trainer.world_size * trainer.accumulate_grad_batches / now.denominator).to(loss_sum.dtype)
