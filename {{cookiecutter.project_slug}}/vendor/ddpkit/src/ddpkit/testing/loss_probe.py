@@ -18,9 +18,9 @@ from ..lightning_internals import BatchNormBase
 from .parity_probe import NoDropout
 
 # float64, the same weights and samples: the gradient in 2 micro-batches was 1.9e-16 to 4.4e-16 of the whole batch's
-# apart where the loss is a mean over samples (the toy, the padded LSTM, GPT-2, TinyBert, a GroupNorm ResNet-18; global_mean's three
-# losses), and 0.011 to 0.049 with a per-batch token, mask or class-weight count (the template's docs/measurements.md,
-# "Per-batch counts").
+# apart where the loss is a mean over samples (the toy, the padded LSTM, GPT-2, TinyBert, a GroupNorm ResNet-18;
+# global_mean's three losses), and 0.011 to 0.049 with a per-batch token, mask or class-weight count (the template's
+# docs/measurements.md, "Per-batch counts").
 APART = 1e-9
 
 
