@@ -1,8 +1,9 @@
 """Fits for test_global_mean.py: `python global_mean_fit.py OUT DEVICES NAME...` trains each named variant, one fit
-after another in the same processes (Lightning launches rank 1 at the first fit), and rank 0 writes OUT/{DEVICES}dev-NAME.pt: the
-trained weights, the `train/loss` logged at each step and the learning-rate sweep's losses.
+after another in the same processes (Lightning launches rank 1 at the first fit), and rank 0 writes
+OUT/{DEVICES}dev-NAME.pt: the trained weights, the `train/loss` logged at each step and the learning-rate sweep's
+losses. `Tagger` and `Sequences` are also the model and data of the suite's probe tests.
 
-`Tagger` and `Sequences` are also the model and data of the suite's probe tests. NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
+NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
 - LOSS: `tokens` (a per-token cross-entropy over padded sequences of 1 to 8 tokens), `weighted` (a class-weighted
   cross-entropy, one label a sequence), `masked` (a masked mean squared error);
 - COUNT: `global` (ddpkit.global_mean: the step's count over every rank and micro-batch) or `batch` (the mean over the
