@@ -25,10 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .draws import SeededSamples
+from .draws import SeededSamples, own_draws
 from .sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
 
@@ -147,6 +148,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
                     "ddpkit.data.streaming.StreamingDataModule and return train_shards()"
                 )
             self.train_sampler()  # fail now, before any step, if the global batch does not fit
+            if self.seeded_draws:  # 8 samples read twice: a generator of the dataset's own, which no seed reaches
+                own = own_draws(self.train_set)
+                if own:
+                    rank_zero_warn(own)
             if self.trainer is not None:
                 if self.trainer.accumulate_grad_batches not in (1, self.accumulation_steps()):
                     raise ValueError(

@@ -20,7 +20,9 @@ def weighted_order(weights: Sequence[float] | torch.Tensor, num_samples: int, se
     return torch.multinomial(weights, num_samples, replacement=True, generator=_generator(seed, epoch))
 
 
-def bucketed_order(lengths: Sequence[int] | torch.Tensor, global_batch_size: int, seed: int, epoch: int) -> torch.Tensor:
+def bucketed_order(
+    lengths: Sequence[int] | torch.Tensor, global_batch_size: int, seed: int, epoch: int
+) -> torch.Tensor:
     """Every index once, global batches of similar length: the indices shuffled, sorted by length within windows of
     `window` global batches (50, or the whole set if smaller), cut into global batches, and the batches shuffled.
     Within a global batch the samples go longest first, so each rank's contiguous share (and each micro-batch) holds

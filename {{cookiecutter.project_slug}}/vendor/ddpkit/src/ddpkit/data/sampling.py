@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -98,8 +99,10 @@ class GlobalBatchSampler(DistributedSampler):
         n = len(self.dataset)  # type: ignore[arg-type]
         order = torch.as_tensor(self.order(self.seed, epoch), dtype=torch.long).reshape(-1)  # type: ignore[misc]
         if hasattr(self, "order_length") and len(order) != self.order_length:
-            raise ValueError(f"the order of epoch {epoch} has {len(order)} indices, epoch 0's {self.order_length}: "
-                             "an epoch's order must have the same length every epoch")
+            raise ValueError(
+                f"the order of epoch {epoch} has {len(order)} indices, epoch 0's {self.order_length}: "
+                "an epoch's order must have the same length every epoch"
+            )
         if len(order) and (order.min() < 0 or order.max() >= n):
             raise ValueError(f"the order of epoch {epoch} holds an index outside the dataset's 0..{n - 1}")
         return order
@@ -192,10 +195,41 @@ class BlockSampler(DistributedSampler):
         return self.num_samples
 
 
+def replaced_sampler(data: Any, loader: Any) -> str:
+    """One sentence where a global-batch data module's train_dataloader() returns a loader of its own (not a
+    `ResumableLoader` over a `GlobalBatchSampler`), saying what it gives up; "" where it does not."""
+    if isinstance(loader, ResumableLoader):
+        return ""
+    sampler = getattr(loader, "sampler", None)
+    what = f"{type(loader).__name__} over a {type(sampler).__name__}"
+    lost = (
+        "the exact mid-epoch resume (its checkpoints hold no loader position: a resume starts the epoch's order over)"
+    )
+    if not isinstance(sampler, GlobalBatchSampler):
+        lost += (
+            " and the global batch (step k's samples then depend on the device count: 1 and N devices do not train "
+            "the same weights)"
+        )
+    return (
+        f"{type(data).__name__}.train_dataloader() returns a {what}, not the data module's ResumableLoader: it gives "
+        f"up {lost}; override train_order(seed, epoch) for an order of your own and loader_kwargs() for loader "
+        "settings instead (the manual: vendor/ddpkit/docs/sample-order.md)"
+    )
+
+
 class ResumeLoaderPosition(Callback):
     """A mid-epoch resume continues where it stopped also when `configure_optimizers` asked the trainer for
     `estimated_stepping_batches` (as `optimization` does for a schedule's total steps): that builds the train
-    loader before Lightning restores its position, which Lightning 2.6.6 then never applies."""
+    loader before Lightning restores its position, which Lightning 2.6.6 then never applies.
+
+    It also warns once, when training starts, where a global-batch data module's train_dataloader() was replaced
+    by a loader of the user's own (`replaced_sampler`)."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         load_pending_train_loader_states(trainer)
+        from .global_batch import GlobalBatchDataModule  # it imports this module
+
+        if isinstance(trainer.datamodule, GlobalBatchDataModule):
+            line = replaced_sampler(trainer.datamodule, trainer.train_dataloader)
+            if line:
+                rank_zero_warn(line)

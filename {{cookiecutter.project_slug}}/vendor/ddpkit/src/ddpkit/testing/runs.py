@@ -78,6 +78,8 @@ def plan(configured: dict) -> dict:
         "manual_optimization": configured.get("manual_optimization", False),
         "steps_per_batch": configured.get("steps_per_batch", 1),
         "random_step": configured.get("random_step", ""),
+        "dataset_draws": configured.get("dataset_draws", ""),
+        "replaced_sampler": configured.get("replaced_sampler", ""),
         "stages": configured.get("stages", ["validate", "test", "predict"]),
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
@@ -100,10 +102,11 @@ def global_step(steps: dict, batches: int) -> int:
 
 
 def comparable(steps: dict) -> None:
-    """Fail with the reason, instead of on a number, where the runs cannot train the same weights (a training
-    step that draws random numbers: configured.probe_training_step)."""
-    if steps.get("random_step"):
-        pytest.fail(steps["random_step"], pytrace=False)
+    """Fail with the reason, instead of on a number, where the runs cannot see the same samples (check_data's
+    same_samples) or a training step draws random numbers (configured.probe_training_step)."""
+    for cause in ("dataset_draws", "replaced_sampler", "random_step"):
+        if steps.get(cause):
+            pytest.fail(steps[cause], pytrace=False)
 
 
 
