@@ -11,18 +11,25 @@ What the base class brings, for any map-style dataset:
   rest (global = devices x micro x accumulation steps), so 1 device x 4 micro-batches and 2 devices x 2
   train the same model;
 - the training sampler gives global batch k the same samples on any number of devices, reshuffles every
-  epoch from --seed_everything, and resumes mid-epoch where the checkpoint stopped (sampling.py);
+  epoch from --seed_everything (or follows `train_order`), and resumes mid-epoch where the checkpoint stopped
+  (sampling.py);
+- each training sample's random draws (augmentation) are seeded from (seed, epoch, index): the same on any number
+  of devices and workers (draws.py);
 - validation, test and predict give every sample to exactly one rank, so metrics count it once;
 - on a GPU, batches in pinned memory, so that Lightning's non-blocking copy to the device is asynchronous (a copy
   from pageable memory makes the host wait for the GPU every step); loader workers kept from epoch to epoch.
 """
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from .draws import SeededSamples, own_draws
 from .sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
 
 
@@ -41,6 +48,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
             GPU; on a CPU it would only cost.
         persistent_workers: Keep the loader workers (with `num_workers` > 0) from one epoch to the next instead of
             starting them again every epoch.
+        seeded_draws: Seed torch's, Python's and NumPy's global generators from (seed, epoch, index) for each
+            training sample's read (draws.py): augmentation is the same on any number of devices and workers, and
+            differs every epoch. False: the generators as they are in each process (a sample's crop then depends on
+            the rank and the worker that reads it).
     """
 
     def __init__(
@@ -50,6 +61,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool | None = None,
         persistent_workers: bool = True,
+        seeded_draws: bool = True,
     ) -> None:
         super().__init__()
         if global_batch_size < 1 or (micro_batch_size is not None and micro_batch_size < 1):
@@ -59,7 +71,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
             micro_batch_size,
             num_workers,
         )
-        self.pin_memory, self.persistent_workers = pin_memory, persistent_workers
+        self.pin_memory, self.persistent_workers, self.seeded_draws = pin_memory, persistent_workers, seeded_draws
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -82,6 +94,15 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def predict_dataset(self) -> Dataset | None:
         """The samples `predict` runs on; the test set by default."""
         return self.test_dataset()
+
+    def train_order(self, seed: int, epoch: int) -> Sequence[int] | Tensor:
+        """An epoch's order of training indices, as a function of (seed, epoch) only: override it for weighted
+        draws with replacement, buckets of similar length, a curriculum (order.py has the first two). The library
+        cuts it into global batches of `global_batch_size` (a tail that fills none is dropped) and gives rank r the
+        r-th slice of each: the same global batches on any device count, and a mid-epoch resume continues in it.
+        Its length must be the same every epoch. Not overridden: a new random permutation of the whole set each
+        epoch."""
+        raise NotImplementedError  # never called unless overridden: train_sampler() asks
 
     # --- the batch arithmetic ---------------------------------------------------------------------------
 
@@ -127,6 +148,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
                     "ddpkit.data.streaming.StreamingDataModule and return train_shards()"
                 )
             self.train_sampler()  # fail now, before any step, if the global batch does not fit
+            if self.seeded_draws:  # 8 samples read twice: a generator of the dataset's own, which no seed reaches
+                own = own_draws(self.train_set)
+                if own:
+                    rank_zero_warn(own)
             if self.trainer is not None:
                 if self.trainer.accumulate_grad_batches not in (1, self.accumulation_steps()):
                     raise ValueError(
@@ -144,13 +169,20 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     def train_sampler(self) -> GlobalBatchSampler:
         # Seeded by --seed_everything (Lightning exports it to every rank), like Lightning's own sampler.
+        overridden = type(self).train_order is not GlobalBatchDataModule.train_order
         return GlobalBatchSampler(
             self.train_set,
             self.global_batch_size,
             num_replicas=self.world_size,
             rank=self.trainer.global_rank if self.trainer else 0,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            seed=self.seed(),
+            order=self.train_order if overridden else None,
+            with_epoch=self.seeded_draws,
         )
+
+    def seed(self) -> int:
+        """The run's seed: --seed_everything, which Lightning exports to every rank."""
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def pins_memory(self) -> bool:
         """Whether the loaders pin their batches: `pin_memory`, or when it is None, whether the run's device is a GPU."""
@@ -169,8 +201,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         sampler = self.train_sampler()
         # Resumable: a mid-epoch checkpoint continues with the samples not yet seen in that epoch.
+        # Read at the (epoch, index) keys the sampler hands out, the draws seeded from them (draws.py).
+        dataset = SeededSamples(self.train_set, self.seed()) if self.seeded_draws else self.train_set
         return ResumableLoader(
-            self.train_set,
+            dataset,
             batch_size=self.micro_batch(),
             sampler=sampler,
             batches_per_step=self.accumulation_steps(),

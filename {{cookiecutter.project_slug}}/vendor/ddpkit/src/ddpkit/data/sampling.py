@@ -20,11 +20,12 @@ exactly those, so the rest of the epoch sees the samples not yet seen, on any
 world size.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -47,6 +48,8 @@ class GlobalBatchSampler(DistributedSampler):
         rank: int,
         seed: int = 0,
         shuffle: bool = True,
+        order: Callable[[int, int], Sequence[int] | torch.Tensor] | None = None,
+        with_epoch: bool = False,
     ) -> None:
         if global_batch_size % num_replicas:
             raise ValueError(
@@ -57,10 +60,14 @@ class GlobalBatchSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.global_batch_size = global_batch_size
         self.batch_size = global_batch_size // num_replicas  # per device
-        self.num_global_batches = len(dataset) // global_batch_size  # type: ignore[arg-type]
+        self.order, self.with_epoch = order, with_epoch
+        # An order's length is its epoch's: the same every epoch (Lightning counts an epoch's steps once).
+        self.order_length = len(self.user_order(0)) if order is not None else len(dataset)  # type: ignore[arg-type]
+        self.num_global_batches = self.order_length // global_batch_size
         if self.num_global_batches == 0:
             raise ValueError(
-                f"global_batch_size={global_batch_size} is larger than the dataset ({len(dataset)} samples): lower it."  # type: ignore[arg-type]
+                f"global_batch_size={global_batch_size} is larger than the dataset's epoch ({self.order_length} "
+                "samples): lower it."
             )
         self._resume: tuple[int, int] | None = None  # (epoch, global batches to skip), used once
         self.start_batch = 0  # the global batch the current iteration started at
@@ -78,19 +85,36 @@ class GlobalBatchSampler(DistributedSampler):
     def global_order(self) -> torch.Tensor:
         """The epoch's sample indices, shaped (num_global_batches, global_batch_size)."""
         n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
+        if self.order is not None:
+            order = self.user_order(self.epoch)
+        elif self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(n, generator=generator)
         else:
             order = torch.arange(n)
         return order[: self.num_global_batches * self.global_batch_size].view(self.num_global_batches, -1)
 
-    def __iter__(self) -> Iterator[int]:
+    def user_order(self, epoch: int) -> torch.Tensor:
+        """The order the `order` hook gives for `epoch`, checked: indices of the dataset, the same length each epoch."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        order = torch.as_tensor(self.order(self.seed, epoch), dtype=torch.long).reshape(-1)  # type: ignore[misc]
+        if hasattr(self, "order_length") and len(order) != self.order_length:
+            raise ValueError(
+                f"the order of epoch {epoch} has {len(order)} indices, epoch 0's {self.order_length}: "
+                "an epoch's order must have the same length every epoch"
+            )
+        if len(order) and (order.min() < 0 or order.max() >= n):
+            raise ValueError(f"the order of epoch {epoch} holds an index outside the dataset's 0..{n - 1}")
+        return order
+
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
         # Skip only in the epoch that was interrupted (Lightning calls set_epoch after the restore).
         resume, self._resume = self._resume, None
         self.start_batch = resume[1] if resume and resume[0] == self.epoch else 0
         start = self.rank * self.batch_size
         mine = self.global_order()[self.start_batch :, start : start + self.batch_size]  # (steps, per-device batch)
+        if self.with_epoch:  # for SeededSamples (draws.py): the epoch travels with the index, to any worker
+            return ((self.epoch, i) for i in mine.reshape(-1).tolist())
         return iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
@@ -171,10 +195,41 @@ class BlockSampler(DistributedSampler):
         return self.num_samples
 
 
+def replaced_sampler(data: Any, loader: Any) -> str:
+    """One sentence where a global-batch data module's train_dataloader() returns a loader of its own (not a
+    `ResumableLoader` over a `GlobalBatchSampler`), saying what it gives up; "" where it does not."""
+    if isinstance(loader, ResumableLoader):
+        return ""
+    sampler = getattr(loader, "sampler", None)
+    what = f"{type(loader).__name__} over a {type(sampler).__name__}"
+    lost = (
+        "the exact mid-epoch resume (its checkpoints hold no loader position: a resume starts the epoch's order over)"
+    )
+    if not isinstance(sampler, GlobalBatchSampler):
+        lost += (
+            " and the global batch (step k's samples then depend on the device count: 1 and N devices do not train "
+            "the same weights)"
+        )
+    return (
+        f"{type(data).__name__}.train_dataloader() returns a {what}, not the data module's ResumableLoader: it gives "
+        f"up {lost}; override train_order(seed, epoch) for an order of your own and loader_kwargs() for loader "
+        "settings instead (the manual: vendor/ddpkit/docs/sample-order.md)"
+    )
+
+
 class ResumeLoaderPosition(Callback):
     """A mid-epoch resume continues where it stopped also when `configure_optimizers` asked the trainer for
     `estimated_stepping_batches` (as `optimization` does for a schedule's total steps): that builds the train
-    loader before Lightning restores its position, which Lightning 2.6.6 then never applies."""
+    loader before Lightning restores its position, which Lightning 2.6.6 then never applies.
+
+    It also warns once, when training starts, where a global-batch data module's train_dataloader() was replaced
+    by a loader of the user's own (`replaced_sampler`)."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         load_pending_train_loader_states(trainer)
+        from .global_batch import GlobalBatchDataModule  # it imports this module
+
+        if isinstance(trainer.datamodule, GlobalBatchDataModule):
+            line = replaced_sampler(trainer.datamodule, trainer.train_dataloader)
+            if line:
+                rank_zero_warn(line)

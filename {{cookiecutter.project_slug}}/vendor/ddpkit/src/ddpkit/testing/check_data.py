@@ -29,6 +29,15 @@ DATA_TEST = "test_every_rank_holds_the_same_datasets"
 ONE, TWO = "1dev-fp64", "2dev-fp64"
 
 
+def same_samples(configured: dict) -> None:
+    """Fail with the reason, instead of on a sample count, where the runs cannot see the same samples: a dataset that
+    draws from a generator of its own (data/draws.own_draws), a train_dataloader() with a sampler of the user's
+    (data/sampling.replaced_sampler). runs.comparable fails with them too, before a training step's draws."""
+    for cause in ("dataset_draws", "replaced_sampler"):
+        if configured.get(cause):
+            pytest.fail(configured[cause], pytrace=False)
+
+
 def unused_skip(configured: dict) -> str:
     """Why the runs are not started ("" if they can be): a parameter gets no gradient and DDP does not look for it."""
     if not configured.get("unused_parameters"):
@@ -142,6 +151,7 @@ def test_eval_metrics_count_each_sample_once(cpu_runs, global_batch, stage):
 def test_each_rank_gets_half_of_every_epoch_and_nothing_twice(cpu_runs, global_batch):
     """Per epoch, rank 0 and rank 1 each receive half of steps x global batch samples, together exactly the
     samples 1 device trains on in that epoch (samples are compared by content, so any batch type works)."""
+    same_samples(global_batch)  # the dataset's own draws, a sampler of the user's: their sentence first
     one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
     per_epoch = global_batch["steps_per_epoch"] * global_batch["global_batch_size"]
     for epoch in ("0", "1"):
@@ -153,6 +163,7 @@ def test_each_rank_gets_half_of_every_epoch_and_nothing_twice(cpu_runs, global_b
 @reads("1dev-fp64", "2dev-fp64")
 def test_global_batches_equal_1_device_and_reshuffle_each_epoch(cpu_runs, global_batch):
     """Step k's samples on 2 ranks, put together, are step k's samples on 1 device; epoch 2 has a new order."""
+    same_samples(global_batch)
     one = cpu_runs["1dev-fp64"].probe()["batches"]
     two = [cpu_runs["2dev-fp64"].probe(rank=r)["batches"] for r in (0, 1)]
     for epoch in ("0", "1"):

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
+from ..data.draws import own_draws
+from ..data.sampling import replaced_sampler
 from ..lightning_internals import BatchNormBase, ddp_kwargs
 from .helpers import project, run_main
 from .loss_probe import batch_mean_line
@@ -65,12 +67,16 @@ def _measure(args: list[str]) -> dict:
     }
     if info["global_batch_data"]:
         data.prepare_data()  # as Lightning calls it before setup: a module may write its data there (shards)
+        data.trainer = cli.trainer  # as fit attaches it: a train_dataloader() of the user's may read it
         data.setup("fit")
         info |= {
             "train_size": len(data.train_set),
             "global_batch_size": data.global_batch_size,
-            "steps_per_epoch": len(data.train_set) // data.global_batch_size,
+            "steps_per_epoch": data.train_sampler().num_global_batches,  # of train_order's epoch, if given
             "val_size": len(data.val_set) if data.val_set is not None else 0,
+            # The causes that stop the runs from seeing the same samples, one sentence each (plugin's `steps`).
+            "dataset_draws": own_draws(data.train_set) if data.seeded_draws else "",
+            "replaced_sampler": replaced_sampler(data, data.train_dataloader()),
         }
         data.setup("test")
         info["test_size"] = len(data.test_set) if data.test_set is not None else 0

@@ -4,7 +4,8 @@ collate function pads, stacks or packs it.
 A sentence padded to the longest of 32 on 1 device and to the longest of 16 on a rank is one sample: hashing the
 collated batch's rows would count it twice. So the probe (parity_probe.py) takes a training batch's samples where
 they are still whole: a map-style loader's indices, recorded as its sampler hands them out (in the training
-process, also when workers load), read back from its dataset; a streaming loader's samples as they reach its
+process, also when workers load), read back from its dataset with its random draws seeded by the index alone (an
+augmented sample is one sample in every epoch and run: data/draws.py); a streaming loader's samples as they reach its
 collate function. The user's collate function itself is never replaced. Only a loader of neither kind falls back to
 the rows of the collated batch.
 """
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader
 
+from ..data.draws import read_as_identity
 from ..data.shards import ShardSequence
 from ..data.streaming import StreamLoader
 
@@ -93,7 +95,7 @@ def dataset_fingerprint(dataset: Any) -> dict:
     """{"length", "indices", "keys"}: the dataset's length and the sample_key of each sample it reads."""
     indices = fingerprint_indices(dataset)
     with random_state_kept():
-        keys = [sample_key(dataset[i]) for i in indices]
+        keys = [sample_key(read_as_identity(dataset, i)) for i in indices]
     return {"length": len(dataset), "indices": indices, "keys": keys}
 
 
@@ -167,7 +169,8 @@ class TrainSamples:
             self.position = (self.recorder.passes, k + 1)
             size = self.loader.batch_sampler.batch_size
             with random_state_kept():
-                return [sample_key(self.loader.dataset[i]) for i in self.recorder.indices[k * size : (k + 1) * size]]
+                chosen = self.recorder.indices[k * size : (k + 1) * size]
+                return [sample_key(read_as_identity(self.loader.dataset, i)) for i in chosen]
         if self.read == "collate input":
             while self.pending and self.pending[0][0] < epoch:  # prefetched, never trained (a loop cut short)
                 self.pending.pop(0)

@@ -82,10 +82,16 @@ def global_batch(configured, pytestconfig) -> dict:
 @pytest.fixture(scope="session")
 def steps(global_batch) -> dict:
     """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan). Every
-    test that needs runs skips, pointing at the check that says why, where DDP would stop at its first step."""
+    test that needs runs skips, pointing at the check that says why, where DDP would stop at its first step, and
+    fails with the sentence where the training set draws from a generator of its own (data/draws.own_draws)."""
     reason = unused_skip(global_batch)
     if reason:
         pytest.skip(reason)
+    if global_batch.get("dataset_draws"):
+        # Each rank and run would read other samples at the same index: the first run would stop at its data check
+        # and every comparison would then skip on "different datasets". The cause instead, in every test that
+        # needs runs, and none started.
+        pytest.fail(global_batch["dataset_draws"], pytrace=False)
     return plan(global_batch)
 
 

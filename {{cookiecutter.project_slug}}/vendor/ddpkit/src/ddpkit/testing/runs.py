@@ -79,6 +79,8 @@ def plan(configured: dict) -> dict:
         "steps_per_batch": configured.get("steps_per_batch", 1),
         "random_step": configured.get("random_step", ""),
         "batch_mean": configured.get("batch_mean", ""),
+        "dataset_draws": configured.get("dataset_draws", ""),
+        "replaced_sampler": configured.get("replaced_sampler", ""),
         "stages": configured.get("stages", ["validate", "test", "predict"]),
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
@@ -101,10 +103,10 @@ def global_step(steps: dict, batches: int) -> int:
 
 
 def comparable(steps: dict) -> None:
-    """Fail with the reason, instead of on a number, where the runs cannot train the same weights (a training
-    step that draws random numbers, a loss divided by a count of the batch it is given:
-    configured.probe_training_step)."""
-    for cause in ("random_step", "batch_mean"):
+    """Fail with the reason, instead of on a number, where the runs cannot see the same samples (check_data's
+    same_samples), a training step draws random numbers or a loss is divided by a count of the batch it is
+    given (configured.probe_training_step)."""
+    for cause in ("dataset_draws", "replaced_sampler", "random_step", "batch_mean"):
         if steps.get(cause):
             pytest.fail(steps[cause], pytrace=False)
 
