@@ -45,8 +45,8 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
 ]
 
 
-# (owner, attribute, the Lightning release that added it): names that the oldest supported release (2.5.1) lacks; the helper
-# that uses one does without it there.
+# (owner, attribute, the Lightning release that added it): names that the oldest supported release (2.5.1) lacks;
+# the helper that uses one does without it there.
 SINCE: list[tuple[Any, str, str]] = [
     (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "2.5.2"),
 ]

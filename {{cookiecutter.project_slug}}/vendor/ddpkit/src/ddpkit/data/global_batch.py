@@ -185,7 +185,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def pins_memory(self) -> bool:
-        """Whether the loaders pin their batches: `pin_memory`, or when it is None, whether the run's device is a GPU."""
+        """Whether the loaders pin their batches: `pin_memory`, or when it is None, whether the run's device is a
+        GPU."""
         if self.pin_memory is not None:
             return self.pin_memory
         return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..lightning_internals import load_pending_train_loader_states

@@ -209,12 +209,12 @@ def scalars_bound(cpu_runs: Waves, steps: dict) -> Bound:
     return Bound(max(fixed, ROUNDING_FACTOR * worst.max_rel), why=f"{why} {worst}")
 
 
-
 # bf16-mixed on GPUs (CPU's is one step at a time: check_onestep.py): 1 vs 2 GPUs may differ in every logged value
 # by at most BF16_FACTOR times bf16's own effect on 1 GPU (bf16 vs float32): CPU's criterion before the one-step
 # check, measured on CPU MLPs and BatchNorm CNNs (2026-12-01, 2026-12-03: at most 1.67 x, docs/measurements.md);
 # not measured on GPUs.
 BF16_FACTOR = 3.0
+
 
 def assert_bf16_close(one: Run, two: Run, *references: Run) -> None:
     """1 vs 2 devices in bf16-mixed: every logged value within BF16_FACTOR x what bf16 changes on 1 device, the

@@ -42,8 +42,8 @@ from .bounds import (
     rounding,
     scalars_bound,
 )
-from .plugin import GPU_PRECISIONS
 from .check_data import same_samples
+from .plugin import GPU_PRECISIONS
 from .runs import Run, Waves, as_cuda, comparable, global_step, reads, reference_run
 
 

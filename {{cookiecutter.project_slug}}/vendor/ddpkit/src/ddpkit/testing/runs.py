@@ -310,7 +310,7 @@ STAGE_SETS = {"validate": "val", "test": "test", "predict": "predict"}
 def evaluation_runs(steps: dict) -> list[str]:
     """The third wave's runs of validate, test and predict for which the module defines a step and the data module
     a set."""
-    stage = lambda name: name.split("-")[0]
+    stage = lambda name: name.split("-")[0]  # noqa: E731
     return [name for name in EVALUATIONS if stage(name) in steps["stages"] and steps["sizes"][stage(name)]]
 
 
