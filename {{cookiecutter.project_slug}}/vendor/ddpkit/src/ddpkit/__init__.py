@@ -3,8 +3,8 @@
 A project's own code meets it through a few public names: its data module subclasses
 `GlobalBatchDataModule` (global batch, micro-batches, sampling, exact resume, exactly-once evaluation), or
 `StreamingDataModule` for shards that do not fit in memory (the same promises, ddpkit.data.streaming),
-its `configure_optimizers` may return `optimization(...)`, and its `configure_model` may call
-`compile_layers` and `shard_layers`. `main.py` runs `ddpkit.run.cli.main`; `tests/` runs `ddpkit.testing`.
+its `configure_optimizers` may return `optimization(...)`, it may log a loss with `Mean` (a weighted mean over
+the ranks), and its `configure_model` may call `compile_layers` and `shard_layers`. `main.py` runs `ddpkit.run.cli.main`; `tests/` runs `ddpkit.testing`.
 
 The modules live in one subpackage per concern (docs/design.md draws them): `data` (what a fit reads), `model`
 (what a model's own code calls), `run` (the CLI and what it wires into a fit), `scaling` (measuring), `tune`
@@ -29,12 +29,14 @@ if TYPE_CHECKING:  # what editors and type checkers read
     from .data.global_batch import GlobalBatchDataModule
     from .data.streaming import StreamingDataModule
     from .model.compiling import compile_layers
+    from .model.metrics import Mean
     from .model.schedules import WarmupCosine, optimization
     from .model.sharding import shard_layers
 
 _HOMES = {
     "compile_layers": "model.compiling",
     "GlobalBatchDataModule": "data.global_batch",
+    "Mean": "model.metrics",
     "WarmupCosine": "model.schedules",
     "optimization": "model.schedules",
     "shard_layers": "model.sharding",
@@ -43,6 +45,7 @@ _HOMES = {
 
 __all__ = [
     "GlobalBatchDataModule",
+    "Mean",
     "StreamingDataModule",
     "WarmupCosine",
     "__version__",
