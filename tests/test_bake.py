@@ -113,6 +113,14 @@ def test_the_users_rooms_stay_small(default_project):
     assert lines(tests) <= 100, [str(p) for p in tests]
 
 
+def test_the_package_docstring_names_folders_that_exist(default_project):
+    """Each folder the user's package's docstring names (`digits/`, `vendor/ddpkit/`) is in the bake: 0.5.2's named
+    a `ddp/` that was not."""
+    package = default_project / "ddp_digits"
+    named = re.findall(r"([\w/]+)/\W", (package / "__init__.py").read_text())
+    assert named and all((package / n).is_dir() or (default_project / n).is_dir() for n in named), named
+
+
 def test_the_generic_presets_are_the_librarys(default_project):
     """configs/ starts with a copy of each preset the library ships (ddpkit/presets, their one source), byte for
     byte, which `python -m ddpkit.presets` then reports as in configs/."""

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.parity import diff, max_abs, over_bound, report
+from ddpkit.parity import diff, max_abs, over_bound, report, scalar_diffs
 from ddpkit.parity import main as compare_main
 from ddpkit.run.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.parity import ROUNDING_CEILING, ROUNDING_FACTOR
-from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_bound, judge
+from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_bound, judge, logged_bound
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
 from ddpkit.testing.configured import switch_off
 from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
@@ -480,3 +480,17 @@ def test_evaluation_runs_only_for_the_stages_with_a_step_and_a_set():
     assert evaluation_runs(plan(configured)) == ["validate-1dev", "test-1dev", "test-2dev"]
     configured |= {"stages": ["validate"], "predict_size": 8}
     assert evaluation_runs(plan(configured)) == ["validate-1dev"]
+
+
+def test_logged_values_bound_leaves_out_what_the_reference_logs_as_another_quantity():
+    """The digits example's shape: the accumulation reference logs each step's train/loss of its last micro-batch
+    (7.9% apart) and moves val/loss by rounding (1e-7). The bound is 5 x that rounding, not 5 x 7.9% (0.395, which
+    passed an unsynchronised val/acc 3.1% off on 2 devices): that val/acc now fails, the rounding-level run passes."""
+    one = {"train/loss": {9: 1.0, 19: 0.5}, "val/loss": {15: 0.4, 31: 0.2}, "val/acc": {15: 0.9, 31: 0.95}}
+    reference = one | {"train/loss": {9: 1.079, 19: 0.5}, "val/loss": {15: 0.4 * (1 + 1e-7), 31: 0.2}}
+    bound = logged_bound(one, reference, "1dev-acc4-fp64 vs 1dev-fp64")
+    assert bound.max_rel == pytest.approx(ROUNDING_FACTOR * 1e-7) and "left out: train/loss" in bound.why
+    unsynced = one | {"val/acc": {15: 0.9, 31: 0.95 * 1.031}}
+    assert [d.name for d in over_bound(scalar_diffs(one, unsynced), bound.max_rel)] == ["val/acc"]
+    rounded = one | {"train/loss": {9: 1.0 * (1 + 2e-7), 19: 0.5}, "val/loss": {15: 0.4 * (1 - 3e-7), 31: 0.2}}
+    assert over_bound(scalar_diffs(one, rounded), bound.max_rel) == []

@@ -1,1 +1,2 @@
-"""{{ cookiecutter.package_name }}: your models and data (digits/ is the example), and the template's machinery (ddp/)."""
+"""{{ cookiecutter.package_name }}: your models and data (digits/ is the example); the machinery is the ddpkit library
+(vendor/ddpkit/)."""

@@ -9,11 +9,10 @@ shards each transformer block over the devices; under `FSDPStrategy`
 import lightning as L
 import torch
 import torch.nn.functional as F
-from ddpkit import compile_layers, optimization, shard_layers
+from ddpkit import Mean, compile_layers, optimization, shard_layers
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
-from torchmetrics import MeanMetric
 
 from .gpt import GPT
 
@@ -57,7 +56,7 @@ class LanguageModel(L.LightningModule):
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         self.optimizer, self.scheduler = optimizer, scheduler
         self.model = GPT(vocab_size, block_size, n_layers, d_model, n_heads)
-        self.train_loss, self.val_loss = MeanMetric(nan_strategy="disable"), MeanMetric(nan_strategy="disable")
+        self.train_loss, self.val_loss = Mean(), Mean()  # keeps weight=, unlike MeanMetric(nan_strategy="disable")
         # Training FLOPs (forward + backward) of one sequence of block_size tokens, counted on a
         # meta-device copy (no memory, no compute). ThroughputMonitor reads flops_per_batch.
         with torch.device("meta"):

@@ -3,9 +3,10 @@
 A project's own code meets it through a few public names: its data module subclasses
 `GlobalBatchDataModule` (global batch, micro-batches, sampling, exact resume, exactly-once evaluation), or
 `StreamingDataModule` for shards that do not fit in memory (the same promises, ddpkit.data.streaming),
-its `configure_optimizers` may return `optimization(...)`, its `configure_model` may call
-`compile_layers` and `shard_layers`, and its `training_step` may divide a loss by the global batch's count
-(`global_mean`). `main.py` runs `ddpkit.run.cli.main`; `tests/` runs `ddpkit.testing`.
+its `configure_optimizers` may return `optimization(...)`, it may log a loss with `Mean` (a weighted mean over
+the ranks), its `configure_model` may call `compile_layers` and `shard_layers`, and its `training_step` may
+divide a loss by the global batch's count (`global_mean`). `main.py` runs `ddpkit.run.cli.main`; `tests/` runs
+`ddpkit.testing`.
 
 The modules live in one subpackage per concern (docs/design.md draws them): `data` (what a fit reads), `model`
 (what a model's own code calls), `run` (the CLI and what it wires into a fit), `scaling` (measuring), `tune`
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # what editors and type checkers read
     from .data.streaming import StreamingDataModule
     from .model.compiling import compile_layers
     from .model.losses import global_mean
+    from .model.metrics import Mean
     from .model.schedules import WarmupCosine, optimization
     from .model.sharding import shard_layers
 
@@ -38,6 +40,7 @@ _HOMES = {
     "compile_layers": "model.compiling",
     "GlobalBatchDataModule": "data.global_batch",
     "global_mean": "model.losses",
+    "Mean": "model.metrics",
     "WarmupCosine": "model.schedules",
     "optimization": "model.schedules",
     "shard_layers": "model.sharding",
@@ -46,6 +49,7 @@ _HOMES = {
 
 __all__ = [
     "GlobalBatchDataModule",
+    "Mean",
     "StreamingDataModule",
     "WarmupCosine",
     "__version__",

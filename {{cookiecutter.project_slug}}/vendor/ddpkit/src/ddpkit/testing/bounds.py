@@ -196,17 +196,38 @@ def assert_scalars_close(a: Run, b: Run, bound: float | Bound) -> None:
 
 
 def scalars_bound(cpu_runs: Waves, steps: dict) -> Bound:
-    """The bound on every logged value of the configured model in float64, 1 vs 2 devices: ROUNDING_FACTOR x how far
-    its rounding reference (the weights bound's) moved them, at least the fixed bound and TensorBoard's float32
-    storage. A reference that is not rounding leaves the fixed bound."""
+    """The bound on every logged value of the configured model in float64, 1 vs 2 devices: `logged_bound` of its
+    rounding reference (the weights bound's). A reference that is not rounding leaves the fixed bound."""
     fixed = max(BOUNDS["cpu", "64-true"], FLOAT32_STORAGE)
     weights = weights_bound(cpu_runs, steps)
     if not weights.at_rounding:
         return Bound(fixed, why=f"fixed {fixed:g}: {weights.why}")
     one, reordered = cpu_runs["1dev-fp64"], cpu_runs[reference_run(steps, "fp64")]
-    worst = scalar_diffs(read_scalars(one.version), read_scalars(reordered.version))[0]
-    why = f"{ROUNDING_FACTOR:g} x rounding, at least {fixed:g}; rounding: {reordered.root.name} vs {one.root.name}"
-    return Bound(max(fixed, ROUNDING_FACTOR * worst.max_rel), why=f"{why} {worst}")
+    label = f"{reordered.root.name} vs {one.root.name}"
+    return logged_bound(read_scalars(one.version), read_scalars(reordered.version), label)
+
+
+# A logged tag that the float64 rounding reference moves by more than this is another quantity there, not rounding:
+# with micro-batches, a value logged at each training step is the last micro-batch's. The digits example, seeds 0-4:
+# its train/loss 6.6e-2 to 0.22 apart, the other tags at most 3.5e-7 (float32 storage); 1 vs 2 devices at most 0.2
+# of the resulting bound (docs/measurements.md, "The logged values' bound").
+LOGGED_CEILING = 1e-5
+
+
+def logged_bound(one: dict, reordered: dict, label: str) -> Bound:
+    """ROUNDING_FACTOR x how far the rounding reference `reordered` moved the logged values of `one` ({tag: {step:
+    value}}), over the tags it moved by at most LOGGED_CEILING, at least the fixed bound and TensorBoard's float32
+    storage. Taken over every tag, a micro-batch's training loss (7.9% apart) allowed 0.395: an unsynchronised
+    val/acc, 3.1% off on 2 devices, passed."""
+    fixed = max(BOUNDS["cpu", "64-true"], FLOAT32_STORAGE)
+    diffs = scalar_diffs(one, reordered)
+    other = [d.name for d in diffs if not d.max_rel <= LOGGED_CEILING]
+    held = [d for d in diffs if d.max_rel <= LOGGED_CEILING]
+    why = f"{ROUNDING_FACTOR:g} x rounding, at least {fixed:g}; rounding: {label}"
+    why += f" {held[0]}" if held else " moved no tag by rounding alone"
+    if other:
+        why += f"; not rounding there, left out: {', '.join(other)} (moved past {LOGGED_CEILING:g})"
+    return Bound(max([fixed] + [ROUNDING_FACTOR * d.max_rel for d in held[:1]]), why=why)
 
 
 # bf16-mixed on GPUs (CPU's is one step at a time: check_onestep.py): 1 vs 2 GPUs may differ in every logged value
