@@ -16,8 +16,8 @@ every comparison run under the same callback, so nothing is judged against a run
 compiled by torch.compile keeps its casts (the callback does not reach into a compiled graph).
 """
 
+import inspect
 import json
-import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -104,7 +104,7 @@ class KeepFloat64(TorchFunctionMode):
         target = _target(func, args, kwargs)
         if target not in LOWER or torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        caller = _caller(sys._getframe(1))
+        caller = _caller(inspect.currentframe().f_back)
         key = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else ("", 0)
         if key not in self.sites:
             self.sites[key] = _site(caller)
