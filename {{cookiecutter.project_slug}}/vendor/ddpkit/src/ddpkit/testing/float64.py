@@ -12,8 +12,8 @@ float64, and writes where it did (probe/float64-casts.json) for the session's su
 
 The model's code is any code outside torch, Lightning, torchmetrics and ddpkit: their casts are deliberate (the
 probe hashes samples as float32; torchmetrics keeps its sums in their own dtype) and stay as they are. Both sides of
-every comparison run under the same callback, so nothing is judged against a run that rounds otherwise. A module
-compiled by torch.compile keeps its casts (the callback does not reach into a compiled graph).
+every comparison run under the same callback, so nothing is judged against a run that rounds otherwise. A region
+compiled by torch.compile may keep its casts: a compiled kernel does not call back into Python.
 """
 
 import inspect
