@@ -4,6 +4,7 @@ A project selects it in `tests/conftest.py` (`pytest_plugins = ["ddpkit.testing.
 `ddpkit.testing` for the two files that make up a project's suite.
 """
 
+import json
 import os
 
 import pytest
@@ -19,6 +20,7 @@ pytest.register_assert_rewrite(
 from .check_data import data_gate, unused_skip  # noqa: E402
 from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
+from .float64 import summary  # noqa: E402
 from .helpers import set_project  # noqa: E402
 from .runs import Run, Waves, plan, remove_checkpoints, runs_read  # noqa: E402
 from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
@@ -27,6 +29,8 @@ from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
 KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
 # What the runs wrote, for the session's summary: (checkpoint files, their bytes, the model's float64 weights' bytes).
 FOOTPRINT: list[tuple[int, int, int]] = []
+# Where the model cast float64 down and the float64 runs kept float64 instead (float64.py), for the summary.
+KEPT_FLOAT64: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -104,6 +108,8 @@ def cpu_runs(request, tmp_path_factory, steps) -> Waves:
     runs.want(runs_read(request.session.items, steps))
     yield runs
     weights = runs.done["1dev-fp64"].weights() if "1dev-fp64" in runs.done else {}
+    casts = runs.base / "1dev-fp64" / "probe" / "float64-casts.json"
+    KEPT_FLOAT64.extend(summary(json.loads(casts.read_text())) if casts.is_file() else [])
     files = remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))
     FOOTPRINT.append((*files, sum(t.nbytes for t in weights.values())))
 
@@ -111,6 +117,8 @@ def cpu_runs(request, tmp_path_factory, steps) -> Waves:
 def pytest_terminal_summary(terminalreporter) -> None:
     kept = f"kept ({KEEP_CHECKPOINTS} is set)"
     deleted = f"deleted at the end of the session, the logs kept ({KEEP_CHECKPOINTS}=1 keeps them)"
+    for line in KEPT_FLOAT64:
+        terminalreporter.write_line(f"ddpkit: {line}")
     for count, size, model in FOOTPRINT:
         times = f" ({size / model:.0f} x the model's {model / 1e6:.1f} MB of float64 weights)" if model else ""
         terminalreporter.write_line(

@@ -57,6 +57,10 @@ from .runs import (
 )
 
 
+# Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
+FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
+
+
 def parity_args() -> list[str]:
     """PARITY_ARGS, split as a shell would: appended to every run, after the suite's own arguments."""
     return shlex.split(os.environ.get("PARITY_ARGS", ""))
@@ -85,6 +89,7 @@ def run_args(
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
+        FLOAT64_THROUGHOUT,
         "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
     ]
     if rank_weights:
@@ -126,7 +131,7 @@ def one_step(steps: dict, devices: int, precision: str, states: Path, *extra: st
         *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", precision),
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0"),
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
-        *("--doctor.enabled", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
+        *("--doctor.enabled", "false", FLOAT64_THROUGHOUT, "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
         *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['steps_per_epoch']}"),
         f"--trainer.callbacks.steps_per_batch={steps['steps_per_batch']}",
         f"--trainer.callbacks.batches={steps['step_batches']}",
@@ -290,6 +295,7 @@ def cluster_args(steps: dict) -> list[str]:
         *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
         *("--trainer.log_every_n_steps", "1"),  # as the first wave's: the parity command compares their logged steps
         *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
+        FLOAT64_THROUGHOUT,
         *parity_args(),
         "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
     ]
