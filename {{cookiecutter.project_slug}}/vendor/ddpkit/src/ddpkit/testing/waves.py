@@ -56,7 +56,6 @@ from .runs import (
     reference_run,
 )
 
-
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
 FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
 
