@@ -21,7 +21,11 @@ device, as the norm of the difference over the tensor's elements:
   distance from float64 is one draw of its rounding, no measure of its scale), which is also the same on both
   ranks, bit for bit.
 Elements that got no gradient in the float64 runs (bounds.no_gradient) are left out: their gradient is a
-cancelled sum's rounding, at a scale the tensor itself does not show. Both ranks hold the same weights and buffers
+cancelled sum's rounding, at a scale the tensor itself does not show. A tensor over its bound is judged again in the
+same steps from the states nudged (each weight x (1 +- runs.NUDGE), the same numbers in all three runs), and fails
+only if over there too (over_twice): where a ReLU's input sits within rounding of 0, one run can pass a gradient
+through it and the other not, which moves a gradient by far more than rounding (a U-Net's decoder weight, 2x2
+activations: 40 x the step's rounding); the nudge draws those inputs again, and a bug stays. Both ranks hold the same weights and buffers
 after every step, bit for bit.
 
 Measured (the template's docs/measurements.md, "The one-step check"): the norm, because where an activation has a
