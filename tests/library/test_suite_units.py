@@ -17,8 +17,9 @@ from ddpkit.run.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.parity import ROUNDING_CEILING, ROUNDING_FACTOR
 from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_bound, judge, logged_bound
-from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
+from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, StepVerdict, over_twice, step_verdicts
 from ddpkit.testing.configured import switch_off
+from ddpkit.testing.parity_probe import nudged
 from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -451,6 +452,46 @@ def test_after_the_step_buffers_are_judged_and_trained_weights_are_not():
     bf16 = torch.finfo(torch.bfloat16).eps
     assert near["running_mean"].bound == pytest.approx(ONE_STEP_FACTOR * bf16 * (0.1**2 + 0.2**2) ** 0.5, rel=1e-6)
     assert after([-1e-3] * 3, (0.1, 0.25))["running_mean"].over
+
+
+def test_a_tensor_over_its_one_step_bound_fails_only_if_over_again_from_the_nudged_states():
+    """The one-step check's second look (over_twice): nothing over, the nudged runs are not asked for; a tensor over
+    its bound in the first look and within it from the nudged states (a ReLU's kink drawn again) passes; over in
+    both looks (a bug) fails, and one over only at another global batch or tensor in the second look passes."""
+
+    def v(name: str, apart: float) -> StepVerdict:
+        return StepVerdict(name, apart, apart, 1.0)
+
+    first = [(1, "gradient", v("w", 40.0)), (1, "gradient", v("b", 0.5)), (4, "gradient", v("w", 0.5))]
+    asked = []
+
+    def again(*second):
+        return lambda: asked.append(1) or list(second)
+
+    assert over_twice([(1, "gradient", v("w", 0.5))], again()) == ([], []) and not asked
+    kink, second = over_twice(first, again((1, "gradient", v("w", 0.9)), (1, "gradient", v("b", 0.5))))
+    assert kink == [] and len(second) == 2 and asked == [1]
+    bug, _ = over_twice(first, again((1, "gradient", v("w", 30.0))))
+    assert [(k, what, x.name) for k, what, x in bug] == [(1, "gradient", "w")]
+    elsewhere = again((4, "gradient", v("w", 30.0)), (1, "gradient", v("b", 30.0)), (1, "after", v("w", 30.0)))
+    assert over_twice(first, elsewhere)[0] == []
+
+
+def test_nudged_states_move_each_weight_by_the_nudge_alike_in_every_run():
+    """A nudged state: each weight (not a buffer) x (1 + nudge) or (1 - nudge), both signs drawn, in the stored
+    float64; the same pattern for the same global batch in every run (so 1 and 2 devices and float64 start from the
+    same numbers), another for another global batch; nudge 0 is the state itself."""
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(64, 8, generator=g, dtype=torch.float64),
+        "running_mean": torch.ones(8, dtype=torch.float64),
+    }
+    a, b, c = nudged(state, {"w"}, 1e-4, 1), nudged(state, {"w"}, 1e-4, 1), nudged(state, {"w"}, 1e-4, 4)
+    ratio = a["w"] / state["w"] - 1
+    assert torch.allclose(ratio.abs(), torch.full_like(ratio, 1e-4), rtol=1e-9, atol=0)
+    assert (ratio > 0).any() and (ratio < 0).any()
+    assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], c["w"])
+    assert a["running_mean"] is state["running_mean"] and nudged(state, {"w"}, 0.0, 1) is state
 
 
 def test_a_run_whose_port_was_taken_starts_again(tmp_path):

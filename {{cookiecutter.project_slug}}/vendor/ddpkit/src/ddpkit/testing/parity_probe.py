@@ -195,11 +195,15 @@ class OneStep(NoDropout):
         steps_per_epoch: Global batches of an epoch in the runs (the position of global batch k).
         steps_per_batch: Optimizer steps per global batch (the saved states are named by optimizer step).
         batches: Global batches to train in each epoch.
+        nudge: Each weight of a loaded state multiplied by 1 + nudge or 1 - nudge (a fixed pattern per global
+            batch, the same in every run and on every rank): the check's second look (runs.NUDGE).
     """
 
-    def __init__(self, states: str = "", steps_per_epoch: int = 1, steps_per_batch: int = 1, batches: int = 2) -> None:
+    def __init__(
+        self, states: str = "", steps_per_epoch: int = 1, steps_per_batch: int = 1, batches: int = 2, nudge: float = 0.0
+    ) -> None:
         self.states, self.steps_per_epoch, self.steps_per_batch = Path(states), steps_per_epoch, steps_per_batch
-        self.batches = batches
+        self.batches, self.nudge = batches, nudge
         self.record: dict[int, dict] = {}
         self.digests: dict[int, dict] = {}
         self.current: dict | None = None
@@ -221,7 +225,8 @@ class OneStep(NoDropout):
             if not saved.is_file():
                 raise FileNotFoundError(f"no saved state to replay global batch {k} from: {saved}")
             state = torch.load(saved, map_location="cpu", weights_only=False)
-            pl_module.load_state_dict(state["state_dict"])
+            weights = {name for name, _ in pl_module.named_parameters()}
+            pl_module.load_state_dict(nudged(state["state_dict"], weights, self.nudge, k))
             for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizer_states"], strict=True):
                 optimizer.load_state_dict(optimizer_state)  # floating state cast to the parameters' dtype
             for config, schedule in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
@@ -252,6 +257,20 @@ class OneStep(NoDropout):
         if trainer.global_rank == 0:
             torch.save(self.record, out / "onestep.pt")
         (out / f"onestep-rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))
+
+
+def nudged(state: dict[str, Tensor], weights: set[str], nudge: float, seed: int) -> dict[str, Tensor]:
+    """`state` with each of its `weights` multiplied elementwise by 1 + nudge or 1 - nudge, in its stored precision
+    (the float64 run's: every run then casts the same nudged numbers), by a pattern drawn from `seed` alone."""
+    if not nudge:
+        return state
+    signs = torch.Generator().manual_seed(seed)
+    out = dict(state)
+    for name in sorted(weights & state.keys()):
+        t = state[name]
+        sign = torch.randint(0, 2, t.shape, generator=signs).to(t.dtype) * 2 - 1
+        out[name] = t * (1 + nudge * sign)
+    return out
 
 
 def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:

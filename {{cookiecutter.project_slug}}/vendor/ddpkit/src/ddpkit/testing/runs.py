@@ -301,6 +301,10 @@ GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
 # The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step).
 ONE_STEP = ("step-1dev-fp32", "step-2dev-fp32", "step-1dev-bf16", "step-2dev-bf16", "step-1dev-fp64")
+# The same steps from states nudged (parity_probe.OneStep's `nudge`: each weight x (1 +- NUDGE)), only when a tensor is
+# over its bound: the second look (check_onestep.over_twice; docs/measurements.md, "ReLU kinks").
+NUDGE = 1e-4
+ONE_STEP_NUDGED = tuple(f"{name}-nudged" for name in ONE_STEP)
 
 
 # The set each evaluation stage reads (configured.py's `<set>_size`).

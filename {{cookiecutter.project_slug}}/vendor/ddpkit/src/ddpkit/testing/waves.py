@@ -16,7 +16,8 @@ three waves; the runs of a wave start at once (each run is mostly start-up, whic
    module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
    is signalled, requeued and resumed.
 And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
-(`2dev-fp64-again`): how far two identical runs end apart (bounds.run_to_run).
+(`2dev-fp64-again`): how far two identical runs end apart (bounds.run_to_run); only when a one-step check is over
+its bound, the one-step runs again from nudged states (`step-...-nudged`: its second look, check_onestep.py).
 A run starts when a test first asks for it, together with the runs of its wave that the session's selected tests
 read (their `reads` declarations), so `pytest -k ...` starts only the runs it reads.
 The sizes and steps come from the configured data module and model (configured.py); steps are counted in global
@@ -41,7 +42,9 @@ from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .helpers import main_py
 from .runs import (
     EVALUATIONS,
+    NUDGE,
     ONE_STEP,
+    ONE_STEP_NUDGED,
     PROJECT_CONFIG,
     STEP_PRECISIONS,
     Run,
@@ -188,19 +191,27 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         two = fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"])
         return run("2dev-fp64-again", main_cmd(*two))
 
+    def step_jobs(runs: Waves, nudge: float = 0.0) -> dict:
+        names = ONE_STEP_NUDGED if nudge else ONE_STEP
+        try:  # from the states the 1-device float64 run saved; float64's step is the exact one
+            states = runs["1dev-fp64"].root / "probe"
+        except AssertionError as error:
+            return dict.fromkeys(names, failed(error))
+        jobs = {}
+        for name, plain in zip(names, ONE_STEP, strict=True):
+            devices = 2 if "-2dev-" in plain else 1
+            precision = {**STEP_PRECISIONS, "fp64": "64-true"}[plain.split("-")[-1]]
+            nudging = (f"--trainer.callbacks.nudge={nudge}",) if nudge else ()
+            cmd = main_cmd(*one_step(steps, devices, precision, states, *nudging))
+            jobs[name] = run(name, cmd, ranks=devices)
+        return jobs
+
     def second(runs: Waves) -> dict:
         jobs = {
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
-        try:  # from the states the 1-device float64 run saved; float64's step is the exact one
-            states = runs["1dev-fp64"].root / "probe"
-            for name in ONE_STEP:
-                devices = 2 if "-2dev-" in name else 1
-                precision = {**STEP_PRECISIONS, "fp64": "64-true"}[name.split("-")[-1]]
-                jobs[name] = run(name, main_cmd(*one_step(steps, devices, precision, states)), ranks=devices)
-        except AssertionError as error:
-            jobs |= dict.fromkeys(ONE_STEP, failed(error))
+        jobs |= step_jobs(runs)
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
             jobs["2dev-acc2-fp64"] = run(
                 "2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)), ranks=forked
@@ -283,6 +294,8 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         ),  # fmt: skip
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
+        # The one-step runs from nudged states, only when a one-step check is over its bound (its second look).
+        Wave(ONE_STEP_NUDGED, lambda runs: step_jobs(runs, NUDGE)),
     ]
     return Waves(base, waves, gate)
 
