@@ -25,8 +25,8 @@ cancelled sum's rounding, at a scale the tensor itself does not show. A tensor o
 same steps from the states nudged (each weight x (1 +- runs.NUDGE), the same numbers in all three runs), and fails
 only if over there too (over_twice): where a ReLU's input sits within rounding of 0, one run can pass a gradient
 through it and the other not, which moves a gradient by far more than rounding (a U-Net's decoder weight, 2x2
-activations: 40 x the step's rounding); the nudge draws those inputs again, and a bug stays. Both ranks hold the same weights and buffers
-after every step, bit for bit.
+activations: 40 x the step's rounding); the nudge draws those inputs again, and a bug stays. Both ranks hold the
+same weights and buffers after every step, bit for bit.
 
 Measured (the template's docs/measurements.md, "The one-step check"): the norm, because where an activation has a
 kink (ReLU) an element at it can switch on one run and not the other, and a tensor's largest difference jumped to 5 x
