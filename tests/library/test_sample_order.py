@@ -111,3 +111,16 @@ def test_fit_with_a_sampler_of_the_users_warns_once_at_the_start(tmp_path):
                  cwd=tmp_path)  # fmt: skip
     lines = [line for line in out.splitlines() if "train_dataloader() returns a DataLoader over a" in line]
     assert len(lines) == 1 and "OwnSampler" in lines[0]
+
+
+def test_a_streaming_data_modules_own_loader_gives_up_nothing(tmp_path):
+    """Cost: < 2 s. A StreamingDataModule's StreamLoader (it counts its own position) is the library's loader, not a
+    replaced one: no sentence, so the suite runs its checks on streamed data. Mutation: only ResumableLoader
+    accepted (the families' streaming suite failed every comparison with the sentence)."""
+    from families import StreamingToyData, write_toy_shards
+
+    write_toy_shards(tmp_path)
+    data = StreamingToyData(shard_dir=str(tmp_path), global_batch_size=32)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    assert not isinstance(loader, ResumableLoader) and replaced_sampler(data, loader) == ""

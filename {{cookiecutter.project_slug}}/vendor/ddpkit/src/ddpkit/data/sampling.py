@@ -198,7 +198,9 @@ class BlockSampler(DistributedSampler):
 def replaced_sampler(data: Any, loader: Any) -> str:
     """One sentence where a global-batch data module's train_dataloader() returns a loader of its own (not a
     `ResumableLoader` over a `GlobalBatchSampler`), saying what it gives up; "" where it does not."""
-    if isinstance(loader, ResumableLoader):
+    # The library's own loaders keep both (a StreamingDataModule's StreamLoader counts its position too): only a
+    # train_dataloader() defined outside ddpkit can give them up.
+    if isinstance(loader, ResumableLoader) or type(data).train_dataloader.__module__.startswith("ddpkit."):
         return ""
     sampler = getattr(loader, "sampler", None)
     what = f"{type(loader).__name__} over a {type(sampler).__name__}"
