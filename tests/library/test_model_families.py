@@ -234,14 +234,23 @@ def one_step_margin(suite: Suite, precision: str) -> float:
 ONE_STEP_MARGIN = {name: 1.0 for name in WEIGHTS_MARGIN}
 
 
+# The check itself (whose failure takes a second look: its 5 runs again from nudged states) on the bug nearest its
+# bound (the small CNN's unsynchronized BatchNorm, 1.97 x in bf16) and the toy's summed loss; the other families'
+# bugs by their first look's margin, which is what the second look is asked about. That a bug stays over in the
+# nudged look is also test_onestep_kinks.py's (a halved loss). The second look for all 9 models added 45 runs to CI.
+WHOLE_CHECK = ("toy", "small-cnn-unsynced")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", WEIGHTS_MARGIN)
 def test_one_step_check_fails_on_a_summed_loss_and_unsynced_batchnorm(suites, name, precision):
     """The one-step check fails for each bug in each family in float32 and in bf16-mixed, a gradient or a buffer
-    after the step over its bound (listed first), by at least ONE_STEP_MARGIN[name] times the bound."""
+    after the step over its bound (listed first), by at least ONE_STEP_MARGIN[name] times the bound; the whole check,
+    its second look included, for the WHOLE_CHECK families."""
     suite = suites[name]
-    with pytest.raises(AssertionError, match=r"global batch \d+, (gradient|after):\n .*\(OVER bound"):
-        call(check_onestep.test_one_step_from_the_same_state_matches_1_vs_2_devices, suite, precision=precision)
+    if name in WHOLE_CHECK:
+        with pytest.raises(AssertionError, match=r"global batch \d+, (gradient|after):\n .*\(OVER bound"):
+            call(check_onestep.test_one_step_from_the_same_state_matches_1_vs_2_devices, suite, precision=precision)
     margin = one_step_margin(suite, precision)
     print(f"{name} {precision}: 2 devices' gradients at {margin:.3g} x the one-step bound")  # docs/measurements.md
     assert margin >= ONE_STEP_MARGIN[name]
