@@ -129,3 +129,26 @@ def test_a_dataset_with_a_generator_of_its_own_is_named_with_the_index():
     line = own_draws(Drawing(own=True))
     assert line.startswith("the train dataset (Drawing) draws random numbers from a generator of its own: index 0")
     assert "\n" not in line
+
+
+def test_a_dataset_that_reads_whole_batches_is_read_through_its_own_call():
+    """Cost: < 1 s. A dataset defining `__getitems__` (a per-request latency: the scaling gap's slow data) gets one
+    call per batch with the batch's indices, not one read per sample. Mutation: reading sample by sample (the gap
+    test's injected 120 ms per batch vanished and its slow-data case named compute)."""
+    class Batched(Dataset):
+        def __init__(self):
+            self.calls = []
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, index):
+            raise AssertionError("read one by one")
+
+        def __getitems__(self, indices):
+            self.calls.append(list(indices))
+            return [i * 2 for i in indices]
+
+    data = Batched()
+    assert SeededSamples(data, seed=0).__getitems__([(0, 3), (0, 5), (0, 7)]) == [6, 10, 14]
+    assert data.calls == [[3, 5, 7]]

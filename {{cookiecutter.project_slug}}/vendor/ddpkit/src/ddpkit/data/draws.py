@@ -78,6 +78,11 @@ class SeededSamples(Dataset):
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
         # The DataLoader's fetcher asks for a batch's samples in one call where a dataset defines this.
+        if hasattr(self.dataset, "__getitems__"):
+            # A dataset that reads whole batches itself (a store's per-request latency, Hugging Face datasets) is
+            # read as it defines: read sample by sample, each request's latency would be paid per sample. Its
+            # draws are not seeded per sample (docs/augmentation.md).
+            return self.dataset.__getitems__([index for _, index in keys])
         with contextlib.nullcontext() if get_worker_info() is not None else generators_kept():
             samples = []
             for epoch, index in keys:
