@@ -23,7 +23,7 @@ from ..data.draws import own_draws
 from ..data.sampling import replaced_sampler
 from ..lightning_internals import BatchNormBase, ddp_kwargs
 from .helpers import project, run_main
-from .loss_probe import batch_mean_line
+from .loss_probe import batch_mean_line, probe_trainer
 from .parity_probe import NoDropout, sample_keys
 
 
@@ -116,11 +116,7 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
         trained = copy.deepcopy(model)
         step = OneStep(seed)
         with tempfile.TemporaryDirectory() as root:
-            trainer = L.Trainer(
-                accelerator="cpu", devices=1, precision="64-true", max_epochs=1, limit_train_batches=1,
-                limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, callbacks=[step], default_root_dir=root,
-            )  # fmt: skip
+            trainer = probe_trainer(root, step, max_epochs=1, limit_train_batches=1)
             trainer.fit(trained, datamodule=data)
         ends.append((trainer.global_step, trained.state_dict(), step))
     (steps, first, one), (_, second, other) = ends

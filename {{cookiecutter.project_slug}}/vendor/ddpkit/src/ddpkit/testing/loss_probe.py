@@ -45,13 +45,18 @@ def one_step(model, data, micro_batch_size: int | None) -> dict[str, torch.Tenso
     data.micro_batch_size = micro_batch_size
     grads = Gradients()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, precision="64-true", max_steps=1, limit_val_batches=0,
-            num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[grads], default_root_dir=root,
-        )  # fmt: skip
-        trainer.fit(model, datamodule=data)
+        probe_trainer(root, grads, max_steps=1).fit(model, datamodule=data)
     return grads.grads
+
+
+def probe_trainer(root: str, callback: L.Callback, **stop) -> L.Trainer:
+    """A quiet 1-device float64 Trainer in `root` that trains until `stop` (Lightning's max_steps, ...) with
+    `callback`, no validation, logger or checkpoint: the probes' one step (here and configured.py)."""
+    return L.Trainer(
+        accelerator="cpu", devices=1, precision="64-true", limit_val_batches=0, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback], default_root_dir=root, **stop,
+    )  # fmt: skip
 
 
 def batch_mean_line(model, data) -> str:
