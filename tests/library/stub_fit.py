@@ -9,7 +9,8 @@ jobs.
   `sleep` s (default 0), sends {step, samples, value} and reads the worker's answer; then writes last.ckpt and
   best-0.ckpt (the samples, as JSON) where Lightning would. value = base x 1024 / (1024 + samples): the same curve
   over samples for any batch, base from the values (|log10(x) + 2| per number, len/10 per text, batch sizes
-  excluded). `--ckpt_path` resumes at its samples. Its record (values, CUDA_VISIBLE_DEVICES, MASTER_PORT,
+  excluded). With `hold` set (a file name), a trial sends nothing until that file exists in the working directory:
+  a test keeps trials running for as long as it needs them. `--ckpt_path` resumes at its samples. Its record (values, CUDA_VISIBLE_DEVICES, MASTER_PORT,
   OMP_NUM_THREADS, SLURM variables seen, start and end times, the checkpoint it resumed) goes to
   records/<pid>.json.
 The settings are read from stub.json in the working directory (the worker's): a test sets no environment variable.
@@ -102,6 +103,8 @@ def main() -> None:
     out, inbox = os.fdopen(to_worker, "w"), os.fdopen(from_worker)
     checkpoints = root / "lightning_logs" / "version_0" / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
+    while settings.get("hold") and not Path(settings["hold"]).exists():
+        time.sleep(0.05)
     for samples in range(done + every, count * every + 1, every):
         time.sleep(settings.get("sleep", 0))
         value = base(values) * 1024 / (1024 + samples)

@@ -156,19 +156,21 @@ def array(folder: Path) -> dict:
 
 def pack(folder: Path) -> dict:
     """Two workers on a node of 8 GPUs (CUDA_VISIBLE_DEVICES, one claims folder), 2 GPUs per trial, 16 trials: A
-    alone runs 4 trials at once; B starts and waits for GPUs; A is killed (-9) while it holds trials."""
+    alone runs 4 trials at once; B starts and waits for GPUs; A is killed (-9) while it holds trials. A's first 4
+    trials report nothing until the file `release` exists, written once A is killed: under load (16-21), B took so
+    long to start that A had run all 16 trials before it, and no trial of A's was left to kill (CI of 2026-12-05)."""
     # No pruning: every trial takes 3 s, so that 4 overlap even when each start waits for a core.
     space = yaml.safe_load(SHIPPED.read_text()) | {"pruner": {"class_path": "optuna.pruners.NopPruner"}}
-    prepare(folder, yaml.safe_dump(space), sleep=1.0, validations=3)
+    prepare(folder, yaml.safe_dump(space), sleep=1.0, validations=3, hold="release")
     env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", CLAIMS: str(folder / "claims")}
     cmd = ["--space", "space.yaml", "--trials", "16", "--devices", "2", "--heartbeat", "1"]
     a = worker(folder, *cmd, env=env, name="a")
     wait_for(lambda: len(running_trials(folder)) == 4 or a.poll() is not None, "worker A's 4 trials")
     b = worker(folder, *cmd, env=env, name="b")
     wait_for(lambda: "waiting for 2 free GPU(s)" in output(folder, "b") or b.poll() is not None, "B to wait")
-    wait_for(lambda: running_trials(folder) or a.poll() is not None, "a trial of A to run")
     a.kill()
     killed_at = time.time()
+    (folder / "release").touch()
     codes = [finish(a, TIMEOUT).returncode, finish(b, TIMEOUT).returncode]
     return {"codes": codes, "killed_at": killed_at, "trials": study_of(folder).get_trials(), "b_pid": b.pid}
 
