@@ -45,6 +45,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def pytest_configure(config):
+    # Where a slow CI run's time went, in its record: the 40 slowest setups and calls (a module fixture that starts
+    # runs counts in its first test's setup), beside the background jobs' times (pytest_terminal_summary).
+    if config.option.durations is None:
+        config.option.durations = 40
     config.addinivalue_line("markers", "timing: asserts durations; runs first, before any background job starts")
     config.addinivalue_line("markers", "environ: sets environment variables; runs before any background job starts")
 
