@@ -582,10 +582,6 @@ class UnsyncedLogs:
         self.log("val/loss", F.cross_entropy(logits, y))
 
 
-class SummedLossResNet18(SummedLoss, ResNet18):
-    """ResNet18 with a summed loss."""
-
-
 class SummedLossBert(SummedLoss, TinyBert):
     """TinyBert with a summed loss."""
 
@@ -612,10 +608,6 @@ class BuggyGPT2(UnsyncedLogs, SummedLoss, GPT2):
     """GPT2 with a summed loss and unsynced logs."""
 
 
-class UnsyncedLogsResNet18(UnsyncedLogs, ResNet18):
-    """ResNet18 with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
-
-
 class UnsyncedLogsSmallBatchNormCNN(UnsyncedLogs, SmallBatchNormCNN):
     """SmallBatchNormCNN with unsynced logs (and, without --trainer.sync_batchnorm, unsynchronized BatchNorm)."""
 
@@ -626,7 +618,3 @@ class UnsyncedLogsMobileNetV3Small(UnsyncedLogs, MobileNetV3Small):
 
 class SummedLossSmallBatchNormCNN(SummedLoss, SmallBatchNormCNN):
     """SmallBatchNormCNN with a summed loss."""
-
-
-class SummedLossMobileNetV3Small(SummedLoss, MobileNetV3Small):
-    """MobileNetV3Small with a summed loss."""
