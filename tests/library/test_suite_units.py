@@ -25,6 +25,16 @@ from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, p
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.fixture(autouse=True)
+def _own_slots(tmp_path_factory, monkeypatch):
+    """The Waves these tests build take slots of their own, not the machine's (slots.py), which real runs of other
+    sessions may hold meanwhile."""
+    from ddpkit.testing import slots
+
+    folder = tmp_path_factory.mktemp("slots")
+    monkeypatch.setattr(slots, "folder", lambda: folder)
+
+
 def test_diff_is_relative_to_the_tensor_scale_and_nan_never_passes():
     """max_rel divides by the reference's largest entry, so a near-zero entry cannot inflate it."""
     d = diff("w", torch.tensor([2.0, 1e-9]), torch.tensor([2.0, 2e-9]))
@@ -535,3 +545,93 @@ def test_logged_values_bound_leaves_out_what_the_reference_logs_as_another_quant
     assert [d.name for d in over_bound(scalar_diffs(one, unsynced), bound.max_rel)] == ["val/acc"]
     rounded = one | {"train/loss": {9: 1.0 * (1 + 2e-7), 19: 0.5}, "val/loss": {15: 0.4 * (1 - 3e-7), 31: 0.2}}
     assert over_bound(scalar_diffs(one, rounded), bound.max_rel) == []
+
+
+def test_suite_runs_take_slots_that_a_killed_holder_frees(tmp_path):
+    """With 2 slots: two holders take slots 0 and 1, a third waits until one of them is done and then gets its slot;
+    a process that holds a slot and is killed (-9) frees it, with nothing to clean up."""
+    import threading
+    import time
+
+    from ddpkit.testing.slots import run_slot
+
+    folder, taken, release = tmp_path / "slots", [], threading.Event()
+
+    def hold() -> None:
+        with run_slot(folder, 2) as number:
+            taken.append(number)
+            release.wait(60)
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(taken) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    third = threading.Thread(target=hold)
+    third.start()
+    third.join(1.0)
+    assert sorted(taken) == [0, 1] and third.is_alive()  # waiting: both slots held
+    release.set()
+    for thread in [*holders, third]:
+        thread.join(60)
+    assert len(taken) == 3 and taken[2] in (0, 1)
+    code = "import sys, time; from pathlib import Path; from ddpkit.testing.slots import run_slot\n"
+    code += "with run_slot(Path(sys.argv[1]), 1) as n: print(n, flush=True); time.sleep(600)\n"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "0"
+
+        def take() -> None:
+            with run_slot(folder, 1) as number:
+                taken.append(number)
+
+        waiting = threading.Thread(target=take)
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive()  # the process holds the only slot
+        holder.kill()
+        waiting.join(30)
+        assert not waiting.is_alive() and taken[-1] == 0
+    finally:
+        holder.kill()
+
+
+def test_suite_runs_at_once_default_to_twice_the_cores_and_a_bad_count_is_refused():
+    """DDPKIT_SUITE_RUNS gives the number of slots; unset, twice the visible cores (at least 2); anything but a whole
+    number >= 1 is refused with the variable named."""
+    from ddpkit.scaling.ranks import visible_cores
+    from ddpkit.testing.slots import limit
+
+    assert limit({}) == max(2, 2 * visible_cores()) and limit({"DDPKIT_SUITE_RUNS": "3"}) == 3
+    for bad in ("0", "two", "-1", "1.5"):
+        with pytest.raises(ValueError, match="DDPKIT_SUITE_RUNS="):
+            limit({"DDPKIT_SUITE_RUNS": bad})
+
+
+def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
+    """The runs a wave starts together each hold a slot while they run: with 1 slot, 3 runs of one wave run one at a
+    time, and all 3 run."""
+    import threading
+    import time
+
+    from ddpkit.testing import slots
+
+    monkeypatch.setattr(slots, "folder", lambda: tmp_path / "slots")
+    monkeypatch.setattr(slots, "limit", lambda: 1)
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def job(name: str):
+        def run() -> str:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+            return name
+
+        return run
+
+    runs = Waves(Path("."), [Wave(("a", "b", "c"), lambda runs: {n: job(n) for n in "abc"})])
+    assert [runs[n] for n in "abc"] == ["a", "b", "c"] and most[0] == 1

@@ -23,6 +23,7 @@ from ..parity import load_weights
 from .fake_cluster import SlurmJob
 from .fake_cuda import save_as_cuda
 from .helpers import finish, headline, main_py, run_main, start
+from .slots import run_slot
 
 
 @dataclass
@@ -184,11 +185,11 @@ class Wave:
 class Waves:
     """The runs by name. A run starts when it is first asked for, together with the other runs of its wave that the
     session's selected tests read (`want`; every run of the wave when nothing was declared), so that a selection of
-    tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once; a run that fails
-    fails the tests that read it, with its own error, and no other (a run of a later wave that starts from it fails
-    with that error too). `gate`, asked once the runs that fingerprint the datasets (GATED_BY) have run, may give a
-    reason no run can be compared (check_data.data_gate: the ranks hold different data): then every test that asks
-    for a run skips with it, and no run starts after it."""
+    tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once, each as soon as it
+    has a slot (slots.py); a run that fails fails the tests that read it, with its own error, and no other (a run of a
+    later wave that starts from it fails with that error too). `gate`, asked once the runs that fingerprint the datasets
+    (GATED_BY) have run, may give a reason no run can be compared (check_data.data_gate: the ranks hold different data):
+    then every test that asks for a run skips with it, and no run starts after it."""
 
     def __init__(self, base: Path, waves: list[Wave], gate: Callable[["Waves"], str] | None = None) -> None:
         self.base, self.waves, self.done, self.failed, self.gate = base, waves, {}, {}, gate
@@ -231,8 +232,8 @@ class Waves:
     def _start(self, names: list[str]) -> None:
         jobs = {n: self.jobs.pop(n) for n in names}
         self.started += names
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            futures = {n: pool.submit(jobs[n]) for n in jobs}
+        with ThreadPoolExecutor(len(jobs)) as pool:  # each run waits for a slot on this machine (slots.py)
+            futures = {n: pool.submit(in_slot, jobs[n]) for n in jobs}
         for n, future in futures.items():
             error = future.exception()
             if error is None:
@@ -242,6 +243,12 @@ class Waves:
                 self.failed[n] = str(error) if isinstance(error, AssertionError) else f"run {n}: {said}"
         if not self.gated and all(n in self.done or n in self.failed for n in GATED_BY):
             self.gated, self.stopped = True, self.gate(self)
+
+
+def in_slot(job: Callable[[], Run]) -> Run:
+    """`job()` once it holds one of the machine's slots for the suite's runs."""
+    with run_slot():
+        return job()
 
 
 def reads(*names: str, **by_parameter: dict[str, tuple[str, ...]]) -> Callable:

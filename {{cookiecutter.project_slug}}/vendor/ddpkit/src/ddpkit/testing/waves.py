@@ -1,7 +1,7 @@
 """The shared runs of the project's `main.py` (runs.py: how they start and are read) and their command lines.
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
-three waves; the runs of a wave start at once (each run is mostly start-up, which overlaps):
+three waves; the runs of a wave start at once, as many as the machine's slots allow (slots.py):
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
    ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
    or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
