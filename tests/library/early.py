@@ -20,13 +20,16 @@ from pathlib import Path
 from typing import Any
 
 SLOTS = 4
-# In this order when slots are short: first the README's commands (4 chains of commands, the longest job), then the
-# short ones that the first library tests read (a test waiting for its job holds up every test after it), then the
-# long ones (the family sessions, the two stories that build environments), then the rest. Every job takes a slot,
+# In this order when slots are short: first the README's commands (4 chains of commands, the longest job) and the
+# oldest releases (whose first step downloads torch 2.4.0's CUDA wheels, 2.74 GB: 500 s and more of a slot that waits
+# on the network, on CI's fresh machines; queued behind the short jobs, its end was the jobs' last, CI of 2026-12-06),
+# then the short ones that the first library tests read (a test waiting for its job holds up every test after it),
+# then the long ones (the family sessions, the own project's story), then the rest. Every job takes a slot,
 # those that mostly wait too (the fault scenarios, the tune workers): a trial or a scenario still starts
 # interpreters, and the tune workers' study timed out at 300 s beside 4 others (CI of 2026-12-04).
 ORDER = [
     "readme_runs",
+    "oldest_run",
     "batchnorm_cli_runs",
     "cluster_jobs",
     "faults",
@@ -34,7 +37,6 @@ ORDER = [
     "preflight",
     "trackers",
     "family_sessions",
-    "oldest_run",
     "own_project_story",
     "tune_ddp",
     "tune_workers",
