@@ -24,7 +24,7 @@ def fit(tmp: Path, name: str, devices: int, workers: int, *extra: str) -> dict[s
 
     out = tmp / name
     out.mkdir()
-    result = run([sys.executable, str(SCRIPT), str(out), str(devices), str(workers), *extra], out, timeout=240)
+    result = run([sys.executable, str(SCRIPT), str(out), str(devices), str(workers), *extra], out, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     merged: dict[str, dict[str, list]] = {}
     for rank in range(devices):
