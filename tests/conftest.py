@@ -43,9 +43,9 @@ ENVIRON_CODE = {
 # No test reaches a dataset or model hub (this machine has no network): every job's runs inherit it from the start.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # The suite's runs at once over every session here (ddpkit/testing/slots.py), inherited by every job's processes:
-# the default, twice the cores (4), left the family sessions' waves a 4th of what they had beside the jobs that take
-# no slot (the README's chains, pip), and they became the longest job; unlimited, test_model_families' first waves
-# alone started 40 processes (load 48, runs timing out: CI of 2026-12-06).
+# with the default, twice the cores (4), one family session held all 4 slots while the other sessions' runs waited,
+# beside jobs that take none (the README's chains, pip); unlimited, test_model_families' first waves alone started
+# 40 processes (load 48, runs timing out). Both on 2026-12-06, docs/measurements.md.
 os.environ.setdefault("DDPKIT_SUITE_RUNS", "8")
 
 

@@ -110,8 +110,8 @@ def outcomes(tmp_path_factory):
     def launch(name):
         c = cases[name]
         env = {**site, **c["env"]} | ({} if c["gpus"] is None else {"FAKE_CUDA_DEVICES": str(c["gpus"])})
-        # A hang guard, not a speed bound: beside CI's jobs (load 15 on 2 cores) these cases outlasted 120 s and 240 s
-        # (CI of 2026-12-06), as `main.py fit --help` took 203 s there.
+        # A hang guard, not a speed bound: beside CI's jobs at load 15 on 2 cores this fixture errored with guards of
+        # 120 s and 240 s, where `main.py fit --help` took 203 s (a run of 2026-12-06, stopped before its report).
         result = toy(*c["args"], cwd=folder[name], env=env, timeout=600)
         return {name: (result.returncode, result.stdout)}
 

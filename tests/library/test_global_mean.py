@@ -41,7 +41,7 @@ def fits(tmp_path_factory) -> dict[str, dict]:
         for n, names in ((1, one), (2, two))
     ]
     with ThreadPoolExecutor(2) as pool:
-        # A hang guard: 300 s fired beside CI's jobs at load 15 (2026-12-06).
+        # A hang guard: with 300 s this fixture errored beside CI's jobs at load 15 (2026-12-06).
         results = list(pool.map(lambda p: finish(p, 600), procs))
     for result in results:
         assert result.returncode == 0, result.stdout[-3000:]
