@@ -1,15 +1,14 @@
 """How many of the suite's runs run at once on this machine, over every pytest session that runs the suite.
 
 A wave starts its runs together (waves.py), and a machine may hold several sessions (a CI runner's jobs, the
-template's own CI with a dozen): on 2 cores that made 50 processes at once, and the runs' hang timeouts then fired on
-runs that were only waiting for a core (2026-12-06, docs/measurements.md of the template). So each run first takes
-one of `limit()` slots, a lock file locked with `flock` in a folder per user: the lock dies with the process that
-holds it, killed or not, so a crashed session leaves no slot taken. A run's own timeout counts from when it has its
-slot. DDPKIT_SUITE_RUNS sets the number (default: twice the cores this process may run on); a model whose runs need
-much memory each sets it to as many as memory holds.
+template's own CI with a dozen): on 2 cores that made 50 processes at once, and the runs' hang timeouts then fired
+on runs that were only waiting for a core (2026-12-06, docs/measurements.md of the template). So each run first
+takes one of `limit()` slots, a lock file locked with `flock` in a folder per user (tune.devices' `lock`, as the
+tuner's claims of GPUs): the lock dies with the process that holds it, killed or not, so a crashed session leaves no
+slot taken. A run's own timeout counts from when it has its slot. DDPKIT_SUITE_RUNS sets the number (default: twice
+the cores this process may run on); a model whose runs need much memory each sets it to as many as memory holds.
 """
 
-import fcntl
 import os
 import tempfile
 import time
@@ -18,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..scaling.ranks import visible_cores
+from ..tune.devices import lock
 
 VARIABLE = "DDPKIT_SUITE_RUNS"
 WAIT = 0.1  # seconds between two looks for a free slot
@@ -45,11 +45,8 @@ def run_slot(where: Path | None = None, slots: int | None = None) -> Iterator[in
     where.mkdir(parents=True, exist_ok=True)
     while True:
         for number in range(slots):
-            fd = os.open(where / f"slot{number}", os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd = lock(where, f"slot{number}")  # the tuner's claims' lock: None while another process holds it
+            if fd is None:
                 continue
             try:
                 yield number
