@@ -10,9 +10,9 @@ jobs.
   best-0.ckpt (the samples, as JSON) where Lightning would. value = base x 1024 / (1024 + samples): the same curve
   over samples for any batch, base from the values (|log10(x) + 2| per number, len/10 per text, batch sizes
   excluded). With `hold` set (a file name), a trial sends nothing until that file exists in the working directory:
-  a test keeps trials running for as long as it needs them. `--ckpt_path` resumes at its samples. Its record (values, CUDA_VISIBLE_DEVICES, MASTER_PORT,
-  OMP_NUM_THREADS, SLURM variables seen, start and end times, the checkpoint it resumed) goes to
-  records/<pid>.json.
+  a test keeps trials running for as long as it needs them. `--ckpt_path` resumes at its samples. Its record
+  (values, CUDA_VISIBLE_DEVICES, MASTER_PORT, OMP_NUM_THREADS, SLURM variables seen, start and end times, the
+  checkpoint it resumed) goes to records/<pid>.json.
 The settings are read from stub.json in the working directory (the worker's): a test sets no environment variable.
 """
 
