@@ -2,9 +2,9 @@
 the batch, BatchNorm without synchronized statistics and values logged without syncing (the training loss, the
 validation loss), injected into the toy's MLP (the digits example's network and optimizer), a GroupNorm ResNet-18, a
 GPT-2, a small BatchNorm CNN and a MobileNetV3-small; each fails the float64 checks of whole trainings and the
-one-step check in float32 and in bf16-mixed (check_onestep.py), by the stated margins. A summed loss is injected into one
-BatchNorm net (the small CNN; the loss is the same bug whatever the net) and unsynchronized BatchNorm into two (the
-small CNN, the MobileNet). The ResNet-18's BatchNorm pair and the MobileNet's summed loss, which CI ran until
+one-step check in float32 and in bf16-mixed (check_onestep.py), by the stated margins. A summed loss is injected into
+one BatchNorm net (the small CNN; the loss is the same bug whatever the net) and unsynchronized BatchNorm into two
+(the small CNN, the MobileNet). The ResNet-18's BatchNorm pair and the MobileNet's summed loss, which CI ran until
 2026-12-06, added 24 runs to this module's 89 and no case the others lack (their margins: docs/measurements.md,
 "Model families"). The toy's MLP on a streaming data module passes the first wave's checks. An LSTM over sentences
 padded to each batch's longest passes them and the one-step check (data_families.py), and the same sentences built
