@@ -9,8 +9,11 @@ jobs.
   `sleep` s (default 0), sends {step, samples, value} and reads the worker's answer; then writes last.ckpt and
   best-0.ckpt (the samples, as JSON) where Lightning would. value = base x 1024 / (1024 + samples): the same curve
   over samples for any batch, base from the values (|log10(x) + 2| per number, len/10 per text, batch sizes
-  excluded). With `hold` set (a file name), a trial sends nothing until that file exists in the working directory:
-  a test keeps trials running for as long as it needs them. `--ckpt_path` resumes at its samples. Its record
+  excluded). With `hold` set (a file name), a trial that resumes nothing sends nothing until that file exists in the
+  working directory: a test keeps trials running for as long as it needs them. With `pause` set ({"trial": N,
+  "until": file name}), trial N, resuming nothing, waits after its first checkpoint until that file exists: a test
+  stops it there, however fast or slow the machine. A waiting trial whose worker is gone exits 1 (no orphan).
+  `--ckpt_path` resumes at its samples. Its record
   (values, CUDA_VISIBLE_DEVICES, MASTER_PORT, OMP_NUM_THREADS, SLURM variables seen, start and end times, the
   checkpoint it resumed) goes to records/<pid>.json.
 The settings are read from stub.json in the working directory (the worker's): a test sets no environment variable.
@@ -71,6 +74,22 @@ def write(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def wait_for_file(name: str, worker: int) -> bool:
+    """Until `name` exists in the working directory (True), or the worker (this process's parent) is gone (False)."""
+    while not Path(name).exists():
+        if os.getppid() != worker:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def end(record: dict, path: Path) -> None:
+    """The worker is gone: the record's end, and exit 1."""
+    record["end"] = time.time()
+    write(path, record)
+    sys.exit(1)
+
+
 def main() -> None:
     pairs = arguments(sys.argv[2:])
     if "DDPKIT_TUNE_CHECK" in os.environ:
@@ -103,8 +122,11 @@ def main() -> None:
     out, inbox = os.fdopen(to_worker, "w"), os.fdopen(from_worker)
     checkpoints = root / "lightning_logs" / "version_0" / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
-    while settings.get("hold") and not Path(settings["hold"]).exists():
-        time.sleep(0.05)
+    worker = os.getppid()
+    pause = settings.get("pause") or {}
+    paused = not resumed and root.name == f"trial_{pause.get('trial', -1):04d}"
+    if settings.get("hold") and not resumed and not wait_for_file(settings["hold"], worker):
+        end(record, out_path)
     for samples in range(done + every, count * every + 1, every):
         time.sleep(settings.get("sleep", 0))
         value = base(values) * 1024 / (1024 + samples)
@@ -115,11 +137,12 @@ def main() -> None:
         except BrokenPipeError:
             line = ""
         if not line:  # the worker is gone
-            record["end"] = time.time()
-            write(out_path, record)
-            sys.exit(1)
+            end(record, out_path)
         for name in ("last.ckpt", "best-0.ckpt"):
             (checkpoints / name).write_text(json.dumps({"samples": samples}))
+        if paused and not wait_for_file(pause["until"], worker):
+            end(record, out_path)
+        paused = False
         if json.loads(line)["stop"]:
             break
     record["end"] = time.time()

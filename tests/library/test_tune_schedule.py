@@ -99,14 +99,17 @@ def output(folder: Path, name: str = "worker") -> str:
 # ---- the job ----------------------------------------------------------------------------------------------------
 def restart(folder: Path) -> dict:
     """The shipped space, --trials 6: Ctrl-C once trial 1 has a checkpoint; the same command again, killed (-9) as a
-    new trial starts; the same command once more, to the end."""
-    prepare(folder, sleep=0.5, validations=3)
+    new trial starts; the same command once more, to the end. Trial 1 waits after its first checkpoint, and the second
+    run's first new trial at its start, until the test has stopped them: a trial that ended between two looks made
+    the first run finish the study (CI of 2026-12-06: exit codes [0, 0, 0])."""
+    prepare(folder, sleep=0.5, validations=3, pause={"trial": 1, "until": "stopped"})
     cmd = ["--space", "space.yaml", "--trials", "6", "--heartbeat", "1"]
     first = worker(folder, *cmd, name="first")
     checkpoint = folder / "tune" / "trial_0001" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     wait_for(lambda: checkpoint.exists() or first.poll() is not None, "trial 1's first checkpoint")
     first.send_signal(signal.SIGINT)
     codes = [finish(first, TIMEOUT).returncode]
+    (folder / "stub.json").write_text(json.dumps({"sleep": 0.5, "validations": 3, "hold": "killed"}))
     before = {r["trial"] for r in records(folder)}
     second = worker(folder, *cmd, name="second")
     newer = lambda: [r for r in running_trials(folder) if r["trial"] not in before and not r["resumed"]]  # noqa: E731
@@ -114,6 +117,7 @@ def restart(folder: Path) -> dict:
     killed = newer()[0]["trial"] if newer() else None
     second.kill()
     codes.append(finish(second, TIMEOUT).returncode)
+    (folder / "killed").touch()  # the held trial, its worker gone, exits; the third run's trials go straight on
     codes.append(finish(worker(folder, *cmd, name="third"), TIMEOUT).returncode)
     return {"codes": codes, "killed": killed, "trials": study_of(folder).get_trials()}
 
