@@ -109,6 +109,15 @@ def make_project(root: Path, family: str) -> Path:
     return root
 
 
+# The cluster launchers' checks (torchrun on 1 and 2 nodes, a SLURM job and its requeue) start the model's 2-epoch
+# training 3 more times in fresh interpreters: about half of a default bake's suite CPU (29 of 62 CPU-s, 2026-12-06,
+# docs/measurements.md). What they check is how the launchers' environment reaches the ranks, the same for every
+# model: the default bake's whole suite checks it in test_oldest.py, a user's own model in test_own_project.py, the
+# README's torchrun and sbatch commands in test_docs.py. So the family sessions leave them out, and every other check
+# of the default session runs.
+LAUNCHERS_LEFT_OUT = "not torchrun and not slurm and not requeue"
+
+
 @early.early("family_sessions")
 def run_family_sessions(base: Path) -> dict[str, tuple[int, str, Path]]:
     """Each family's `pytest` (the suite's default session; its checkpoints kept, to be read here), two at a time:
@@ -117,15 +126,8 @@ def run_family_sessions(base: Path) -> dict[str, tuple[int, str, Path]]:
     def session(family: str) -> tuple[int, str, Path]:
         project = make_project(base / family, family)
         cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-rfs",
-            "-p",
-            "no:cacheprovider",
-            "--basetemp",
-            str(base / f"{family}-tmp"),
+            *(sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider"),
+            *("-k", LAUNCHERS_LEFT_OUT, "--basetemp", str(base / f"{family}-tmp")),
         ]
         env = {"DDPKIT_KEEP_CHECKPOINTS": "1", "COLUMNS": "400", "PYTHONPATH": ""}  # families.py: the project's own
         result = run(cmd, project, timeout=1800, env=env)
