@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from bakes import TEMPLATE, pinned_versions
 from packaging.version import Version
-from releases import CONSTRAINTS, INSTALLS, kept, story, with_releases
+from releases import CONSTRAINTS, INSTALLS, download, kept, story, with_releases
 
 OLDEST = TEMPLATE / "tests" / "oldest.txt"
 # The suite's one skip on CPU that is not a GPU test's: FSDP2 needs CUDA before torch 2.6 (ddpkit.model.sharding).
@@ -19,9 +19,18 @@ def oldest_releases() -> list[str]:
     return [line.split("#")[0].strip() for line in OLDEST.read_text().splitlines() if "==" in line.split("#")[0]]
 
 
+def oldest_wheels(base: Path) -> None:
+    """Download the oldest torch (PyPI's CUDA build: 2.74 GB) into base/wheels; conftest.py runs it as the job's
+    preparation, outside the job slots, as soon as the jobs start."""
+    download(oldest_releases(), base / "wheels")
+
+
 def oldest_story(base: Path) -> dict:
-    """Bake, install the oldest set (torch first), then the project; run its pytest and the units."""
-    return story(base, oldest_releases())
+    """Bake, install the oldest set (torch first, from the wheels `oldest_wheels` downloaded: here, unless done
+    ahead), then the project; run its pytest and the units."""
+    if not (base / "wheels").is_dir():
+        oldest_wheels(base)
+    return story(base, oldest_releases(), wheels=base / "wheels")
 
 
 @pytest.fixture(scope="module")
