@@ -141,7 +141,12 @@ def background(request, tmp_path_factory) -> None:
     for name in BACKGROUND:
         if name in used:
             jobs[name] = globals()[f"_{name}"](request)
-    early.start(jobs, tmp_path_factory.mktemp)
+    prepare = {}
+    if "oldest_run" in jobs:  # the oldest torch's download (network, not CPU) outside the slots
+        from test_oldest import oldest_wheels
+
+        prepare["oldest_run"] = oldest_wheels
+    early.start(jobs, tmp_path_factory.mktemp, prepare)
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,9 @@ from typing import Any
 
 SLOTS = 4
 # In this order when slots are short: first the README's commands (4 chains of commands, the longest job) and the
-# oldest releases (whose first step downloads torch 2.4.0's CUDA wheels, 2.74 GB: 500 s and more of a slot that waits
-# on the network, on CI's fresh machines; queued behind the short jobs, its end was the jobs' last, CI of 2026-12-06),
+# oldest releases (queued behind the short jobs, its end was the jobs' last, CI of 2026-12-06; it joins the queue once
+# its preparation, the download of torch 2.4.0's CUDA wheels, 2.74 GB, has ended: 500 s and more on CI's fresh
+# machines, which held a slot while it waited on the network),
 # then the short ones that the first library tests read (a test waiting for its job holds up every test after it),
 # then the long ones (the family sessions, the own project's story), then the rest. Every job takes a slot,
 # those that mostly wait too (the fault scenarios, the tune workers): a trial or a scenario still starts
@@ -47,7 +48,7 @@ ORDER = [
 ]
 
 JOBS: dict[str, Callable[[Path], Any]] = {}
-TIMES: dict[str, tuple[float, float]] = {}  # name: (seconds queued, seconds run), once it has ended
+TIMES: dict[str, tuple[float, float]] = {}  # name: (seconds queued or preparing, seconds run), once it has ended
 _started: dict[str, Future] = {}
 _pool = ThreadPoolExecutor(len(ORDER) + 8, thread_name_prefix="early")
 _turn = threading.Condition()
@@ -65,21 +66,33 @@ def early(name: str) -> Callable:
     return register
 
 
-def start(jobs: dict[str, Callable[[Path], Any]], folder: Callable[[str], Path]) -> None:
-    """Queue the jobs {name: function of a fresh folder} not yet started, each given `folder(name)`."""
+def start(
+    jobs: dict[str, Callable[[Path], Any]],
+    folder: Callable[[str], Path],
+    prepare: dict[str, Callable[[Path], Any]] | None = None,
+) -> None:
+    """Queue the jobs {name: function of a fresh folder} not yet started, each given `folder(name)`. A job named in
+    `prepare` first runs that function of its folder at once, outside the slots, and joins the queue when it is done:
+    a download (the oldest releases' 2.74 GB of wheels) waits on the network, and holding a slot meanwhile kept the
+    jobs queued behind it from the cores."""
+    prepare = prepare or {}
     names = sorted((n for n in jobs if n not in _started), key=_rank)
     with _turn:
-        _queued.extend(names)
+        _queued.extend(n for n in names if n not in prepare)
     for name in names:
-        _started[name] = _pool.submit(_in_turn, name, jobs[name], folder(name))
+        _started[name] = _pool.submit(_in_turn, name, jobs[name], folder(name), prepare.get(name))
 
 
 def _rank(name: str) -> int:
     return ORDER.index(name) if name in ORDER else len(ORDER)
 
 
-def _in_turn(name: str, job: Callable[[Path], Any], folder: Path) -> Any:
+def _in_turn(name: str, job: Callable[[Path], Any], folder: Path, prepare: Callable[[Path], Any] | None) -> Any:
     queued = time.monotonic()
+    if prepare is not None:
+        prepare(folder)  # raising, it ends the job there: its tests report the error
+        with _turn:
+            _queued.append(name)
     with _turn:
         _turn.wait_for(lambda: len(_running) < SLOTS and min(_queued, key=_rank) == name)
         _queued.remove(name)
