@@ -18,6 +18,7 @@ setting or removing a variable here fails (`_no_environment_changes_under_jobs`)
 
 import inspect
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, MutableMapping
@@ -40,6 +41,12 @@ TESTS = Path(__file__).resolve().parent
 ENVIRON_CODE = {
     f.__code__.co_filename for f in (type(os.environ).__setitem__, MutableMapping.setdefault, pytest.MonkeyPatch.setenv)
 }
+# A shell's background job (`bash .ci/run &`, nohup) starts with SIGINT ignored, and every process it starts inherits
+# that: Python then never raises KeyboardInterrupt, and the tune worker that test_tune_schedule stops with Ctrl-C ran
+# its study to the end, or waited on a held trial until the test's timeout (runs of .ci/run in the background on this
+# machine, 2026-12-06). The session and the processes it starts get Ctrl-C's default action, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # No test reaches a dataset or model hub (this machine has no network): every job's runs inherit it from the start.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # The suite's runs at once over every session here (ddpkit/testing/slots.py), inherited by every job's processes:
