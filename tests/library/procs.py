@@ -41,7 +41,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     except subprocess.TimeoutExpired:
         kill(proc)
         out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(proc.args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+        # out is None when the output went to a file (the tune workers'): the caller's file holds it
+        raise AssertionError(f"{' '.join(proc.args)} timed out after {timeout}s:\n{(out or '')[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 

@@ -162,19 +162,26 @@ def pack(folder: Path) -> dict:
     """Two workers on a node of 8 GPUs (CUDA_VISIBLE_DEVICES, one claims folder), 2 GPUs per trial, 16 trials: A
     alone runs 4 trials at once; B starts and waits for GPUs; A is killed (-9) while it holds trials. A's first 4
     trials report nothing until the file `release` exists, written once A is killed: under load (16-21), B took so
-    long to start that A had run all 16 trials before it, and no trial of A's was left to kill (CI of 2026-12-05)."""
-    # No pruning: every trial takes 3 s, so that 4 overlap even when each start waits for a core.
+    long to start that A had run all 16 trials before it, and no trial of A's was left to kill (CI of 2026-12-05).
+    B's first 4 trials wait likewise (`release_b`) until all 4 run: under load B started each trial more than a
+    trial's 3 s after the one before, and never ran 4 at once (CI of 2026-12-06)."""
+    # No pruning: every trial takes 3 s.
     space = yaml.safe_load(SHIPPED.read_text()) | {"pruner": {"class_path": "optuna.pruners.NopPruner"}}
     prepare(folder, yaml.safe_dump(space), sleep=1.0, validations=3, hold="release")
     env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", CLAIMS: str(folder / "claims")}
     cmd = ["--space", "space.yaml", "--trials", "16", "--devices", "2", "--heartbeat", "1"]
     a = worker(folder, *cmd, env=env, name="a")
     wait_for(lambda: len(running_trials(folder)) == 4 or a.poll() is not None, "worker A's 4 trials")
+    # Read by the trials that start from now on: B's (A's 4 hold its GPUs until it is killed).
+    (folder / "stub.json").write_text(json.dumps({"sleep": 1.0, "validations": 3, "hold": "release_b"}))
     b = worker(folder, *cmd, env=env, name="b")
     wait_for(lambda: "waiting for 2 free GPU(s)" in output(folder, "b") or b.poll() is not None, "B to wait")
     a.kill()
     killed_at = time.time()
     (folder / "release").touch()
+    b_trials = lambda: [r for r in running_trials(folder) if r["start"] > killed_at]  # noqa: E731
+    wait_for(lambda: len(b_trials()) == 4 or b.poll() is not None, "B's 4 trials on the GPUs A held")
+    (folder / "release_b").touch()
     codes = [finish(a, TIMEOUT).returncode, finish(b, TIMEOUT).returncode]
     return {"codes": codes, "killed_at": killed_at, "trials": study_of(folder).get_trials(), "b_pid": b.pid}
 
@@ -373,7 +380,8 @@ def test_packed_trials_get_disjoint_gpus_and_ports_and_fill_the_node(tune_schedu
     """8 GPUs, 2 per trial, two workers on the node: every trial saw 2 GPUs of the 8 (CUDA_VISIBLE_DEVICES) and a
     port; any two trials that ran at the same time (their own records) had disjoint GPUs and distinct ports; worker
     A alone ran 4 trials at once on all 8; B waited while A held them, and after A was killed (-9) B's trials got
-    the GPUs A's trials held then, and all 8 with 4 trials at once (A's claims died with A and its trials); the
+    the GPUs A's trials held then, and all 8 with 4 trials at once (A's claims died with A and its trials: B's
+    trials started after the kill are the ones counted); the
     study holds 16 finished trials, each run once, A's killed trials failed and run again. Each trial's processes
     got 1/8 of the cores as threads."""
     folder, r = tune_schedule["pack"]
@@ -391,7 +399,7 @@ def test_packed_trials_get_disjoint_gpus_and_ports_and_fill_the_node(tune_schedu
     (a_pid,) = workers - {str(r["b_pid"])}
     assert full_node(by(a_pid)), by(a_pid)
     held = {gpu for rec in by(a_pid) if rec["end"] > r["killed_at"] for gpu in rec["cuda"].split(",")}
-    later = [rec for rec in by(r["b_pid"]) if rec["start"] > max(rec["end"] for rec in by(a_pid))]
+    later = [rec for rec in by(r["b_pid"]) if rec["start"] > r["killed_at"]]
     assert held and held <= {gpu for rec in later for gpu in rec["cuda"].split(",")}, (held, later)
     assert full_node(later), later
     assert "waiting for 2 free GPU(s): other trials on this node hold them" in output(folder, "b")
