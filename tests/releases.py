@@ -17,7 +17,6 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bakes import TEMPLATE, bake, fresh_env, pinned_versions, run, torch_pin
@@ -51,9 +50,10 @@ def download(releases: list[str], wheels: Path) -> None:
 def story(base: Path, releases: list[str], constraints: Path | None = None, wheels: Path | None = None) -> dict:
     """Bake into `base`; in a new environment install `releases` (requirement lines, torch's first and alone: no
     other torch is ever downloaded; from the folder `wheels` alone where given: see `download`), then the project
-    (`-c constraints` where given); run its pytest and the units, both at once (two processes: neither waits on the
-    other's end, and their CPU-light stretches overlap). {step: (status, output, seconds)}; the steps after a failed
-    install are left out."""
+    (`-c constraints` where given); run its pytest, then the units. {step: (status, output, seconds)}; the steps after
+    a failed install are left out. The two ran at once for a day: in the second CI run that did it, on torch 2.4.0,
+    the units hung in `destroy_process_group` (gloo's destructor joining a thread, 900 s and counting, nothing else
+    running; 2026-12-06), where run one after the other they had passed in every CI run since 2026-12-04."""
     project = bake(base)
     env = {**fresh_env(base / "venv"), "COLUMNS": "300"}
     pip = ["python", "-m", "pip", "install", "-q"]
@@ -66,8 +66,6 @@ def story(base: Path, releases: list[str], constraints: Path | None = None, whee
         ("releases", [*pip, "-r", str(listed)]),
         ("project", [*pip, "-e", ".[dev]", *(["-c", str(constraints)] if constraints else [])]),
         ("versions", ["python", "-m", "pip", "list", "--format=freeze"]),
-    )
-    tests = (
         ("pytest", ["python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]),
         (
             "units",
@@ -76,19 +74,14 @@ def story(base: Path, releases: list[str], constraints: Path | None = None, whee
         ),
     )  # fmt: skip
 
-    def step(cmd: list[str]) -> tuple[int, str, float]:
-        began = time.monotonic()
-        result = run(cmd, project, timeout=1800, env=env)
-        return result.returncode, result.stdout, time.monotonic() - began
-
     record = {}
     try:
         for name, cmd in steps:
-            record[name] = step(cmd)
-            if record[name][0] and name in INSTALLS:
-                return record
-        with ThreadPoolExecutor(len(tests)) as pool:
-            record |= dict(zip((name for name, _ in tests), pool.map(step, (cmd for _, cmd in tests)), strict=True))
+            began = time.monotonic()
+            result = run(cmd, project, timeout=1800, env=env)
+            record[name] = (result.returncode, result.stdout, time.monotonic() - began)
+            if result.returncode and name in INSTALLS:
+                break
     finally:  # the record holds what the tests read; a CUDA torch's environment is 5 GB that pytest would keep
         shutil.rmtree(base / "venv", ignore_errors=True)
     return record
