@@ -13,9 +13,8 @@ jobs.
   working directory: a test keeps trials running for as long as it needs them. With `pause` set ({"trial": N,
   "until": file name}), trial N, resuming nothing, waits after its first checkpoint until that file exists: a test
   stops it there, however fast or slow the machine. A waiting trial whose worker is gone exits 1 (no orphan).
-  `--ckpt_path` resumes at its samples. Its record
-  (values, CUDA_VISIBLE_DEVICES, MASTER_PORT, OMP_NUM_THREADS, SLURM variables seen, start and end times, the
-  checkpoint it resumed) goes to records/<pid>.json.
+  `--ckpt_path` resumes at its samples. Its record (values, CUDA_VISIBLE_DEVICES, MASTER_PORT, OMP_NUM_THREADS,
+  SLURM variables seen, start and end times, the checkpoint it resumed) goes to records/<pid>.json.
 The settings are read from stub.json in the working directory (the worker's): a test sets no environment variable.
 """
 
