@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import early
@@ -37,13 +38,14 @@ FIT = [
     *("--model", "ddpkit.testing.toy.FaultyClassifier", "--model.fault_step", str(KILL_AT)),
     *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
     *("--data.train_size", "512", "--trainer.enable_progress_bar", "false", "--doctor.enabled", "false"),
-    *("--dist_timeout", "60", "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe"),
-]
+    "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",
+]  # --dist_timeout is the CLI's 300 s: at the setup barrier rank 1 waits while rank 0 imports MLflow and opens its run
 PROBE = r"RANK_PROBE global=(\d) local=0 node=(\d) world=2 env=TorchElasticEnvironment step=(\d+)"
 # 1 device vs 2 processes, float64, this fit: max_rel at most 9.7e-15 (width 128, seeds 0-4) and 7.5e-14 (width
 # 512, seeds 0-1) (docs/measurements.md, 2026-12-02, cluster restarts); check_parity's fixed float64 bound.
 BOUND = 1e-12
 TIMEOUT = 300
+NEW_RUN = "fit: --ckpt_path auto: no complete checkpoint under {}; starting a new run\n"  # rank 0, at a start
 
 
 def agents(cmd: list[str], root: Path, envs: list[dict]) -> list:
@@ -81,7 +83,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def elastic_job(root: Path) -> tuple[list[int], str, Path]:
+def elastic_job(root: Path) -> tuple[list[int], str, Path, str]:
+    """elastic_attempt, and once more in a fresh directory when torchrun had restarted its processes before the kill,
+    before any checkpoint (a rank failed at its start); the last item is then that start's error lines, else "".
+
+    The test is about the restart after the kill; an earlier one starts a second run, which is right for a job but
+    leaves two log directories and tracker runs where the test expects one. It happened once, in the CI run of
+    2026-12-06 under load (2 "no complete checkpoint" lines, the cause not in the output); a job that fails at
+    every start fails both times."""
+    codes, logs, run = elastic_attempt(root)
+    if logs.count(NEW_RUN.format(run)) == 1:
+        return codes, logs, run, ""
+    earlier = "\n".join(line for line in logs.splitlines() if "rror" in line or "failed (exitcode" in line)
+    return *elastic_attempt(root.with_name(root.name + "-again")), earlier or logs[-2000:]
+
+
+def elastic_attempt(root: Path) -> tuple[list[int], str, Path]:
     """cluster/torchrun.sh on 2 agents x 1 process; agent 1's process is killed (-9) once every rank has reached
     step KILL_AT. Steps sleep 0.5 s so that the kill lands before epoch 1 ends."""
     port = free_port()
@@ -126,8 +143,9 @@ def one_device(root: Path) -> Path:
 
 @early.early("cluster_jobs")
 def _cluster_jobs(base: Path) -> dict:
-    """{"elastic": (codes, logs, root), "trainjob": (codes, logs, root), "one": root}, run together. Started with
-    the session (early.py): most of their time is the steps' sleep and the restart, which time nothing."""
+    """{"elastic": (codes, logs, root, earlier), "trainjob": (codes, logs, root), "one": root}, run together.
+    Started with the session (early.py): most of their time is the steps' sleep and the restart, which time
+    nothing."""
     runs = {"elastic": elastic_job, "trainjob": trainjob_job, "one": one_device}
     return concurrently(lambda name: runs[name](base / name), runs)
 
@@ -147,10 +165,15 @@ def test_killed_node_process_restarts_and_ends_with_uninterrupted_weights(cluste
     resumes epoch 0's last.ckpt (`--ckpt_path auto`, which had started the run), logs into the same directory,
     and ends with the weights of the uninterrupted 2-node run bit for bit (the same float64 sums in the same
     order: 0.0 measured)."""
-    codes, logs, root = cluster_jobs["elastic"]
+    codes, logs, root, earlier = cluster_jobs["elastic"]
+    if earlier:
+        warnings.warn(
+            f"torchrun restarted the job before the kill; it ran again. The first job's errors:\n{earlier}",
+            stacklevel=1,
+        )
     assert codes == [0, 0], logs[-4000:]
     checkpoint = root / "lightning_logs/version_0/checkpoints/last.ckpt"
-    assert logs.count(f"fit: --ckpt_path auto: no complete checkpoint under {root}; starting a new run\n") == 1
+    assert logs.count(NEW_RUN.format(root)) == 1, logs[-4000:]
     assert logs.count(f"fit: --ckpt_path auto is {checkpoint}\n") == 1, logs[-4000:]
     assert f"Restoring states from the checkpoint path at {checkpoint}" in logs
     # Each rank started twice: at step 0, and again at epoch 0's end.
