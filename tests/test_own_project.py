@@ -80,6 +80,12 @@ def test_own_model_and_data_keep_the_guarantees(own_project):
             skips += [line for line in out.splitlines() if line.startswith("SKIPPED")]
     # Skips name their reason (-rs): not "does not shard its layers", not "takes no scheduler argument".
     assert skips and all("GPU" in s or "CUDA" in s for s in skips), skips
+    # A run's checkpoints went once no later test read it: fewer on disk at once than the session wrote.
+    (footprint,) = [line for line in out.splitlines() if line.startswith("ddpkit: the suite's runs wrote")]
+    written, at_once = re.search(
+        r"\((\d+) x the model's .* at most \d+ MB \(([\d.]+) x\) on disk at once", footprint
+    ).groups()
+    assert 0 < float(at_once) < int(written), footprint
     # The suite writes into temporary directories only (no doctor.json, runs/ or lightning_logs/ left here).
     assert own_project["left_behind"] <= {".pytest_cache", ".ruff_cache"}
 

@@ -20,7 +20,7 @@ from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_boun
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, StepVerdict, over_twice, step_verdicts
 from ddpkit.testing.configured import switch_off
 from ddpkit.testing.parity_probe import nudged
-from ddpkit.testing.runs import Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
+from ddpkit.testing.runs import Run, Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -320,6 +320,38 @@ def test_remove_checkpoints_counts_each_file_once_and_keeps_the_logs(tmp_path):
     assert remove_checkpoints(tmp_path) == (3, 137)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["run/lightning_logs/version_0/metrics.csv", "run/probe/fit-rank0.json"]
+
+
+def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts_from_them(tmp_path):
+    """Waves.release after a test, given what the later tests read: a run no one reads loses its checkpoints (its logs
+    stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from them)
+    and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that run
+    shares with a finished one (the evaluations' copy). Nothing goes when a later test declares nothing. The footprint
+    counts each file once, a hard link too, and the most bytes on disk at once."""
+    runs = Waves(tmp_path, [])
+    folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
+               "step-1dev-fp32": "step-1dev-fp32", "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
+    for name, folder in folders.items():
+        checkpoints = tmp_path / folder / "lightning_logs" / "version_0" / "checkpoints"
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        if name != "validate-1dev":
+            torch.save({"state_dict": {"w": torch.zeros(4, dtype=torch.float64)}}, checkpoints / "last.ckpt")
+        (checkpoints.parent / "metrics.csv").write_text("step\n")
+        runs.done[name] = Run(tmp_path / folder, tmp_path / f"{name}.log")
+    os.link(tmp_path / "1dev-fp64/lightning_logs/version_0/checkpoints/last.ckpt", tmp_path / "eval/last.ckpt")
+    one_file = (tmp_path / "eval/last.ckpt").stat().st_size
+    kept = lambda: sorted(p.parent.name if p.parent.name != "checkpoints" else p.parts[-5] for p in tmp_path.rglob("*.ckpt"))  # noqa: E731
+
+    assert runs.release(None) == [] and len(kept()) == 6
+    assert runs.release({"step-1dev-fp32", "test-1dev"}) == ["slurm", "torchrun-fp64"]
+    assert kept() == ["1dev-fp64", "2dev-fp64", "eval", "step-1dev-fp32"]
+    assert runs.footprint.peak == 5 * one_file and runs.model_bytes == 32  # the link counted once
+    runs.done["test-1dev"] = Run(tmp_path / "eval", tmp_path / "test-1dev.log")
+    assert runs.release({"step-1dev-fp32"}) == ["2dev-fp64", "eval"]
+    assert kept() == ["1dev-fp64", "step-1dev-fp32"]
+    assert runs.release(set()) == ["1dev-fp64", "step-1dev-fp32"] and kept() == []
+    assert runs.footprint.written() == (5, 5 * one_file) and runs.footprint.peak == 5 * one_file
+    assert len(list(tmp_path.rglob("metrics.csv"))) == 6
 
 
 def test_a_failed_run_fails_only_the_tests_that_read_it():

@@ -27,8 +27,11 @@ from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
 
 # Set (to anything) to keep the runs' checkpoints after the session, to look into a failure.
 KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
-# What the runs wrote, for the session's summary: (checkpoint files, their bytes, the model's float64 weights' bytes).
-FOOTPRINT: list[tuple[int, int, int]] = []
+# What the runs wrote, for the session's summary: (checkpoint files, their bytes, the most bytes on disk at once, the
+# model's float64 weights' bytes).
+FOOTPRINT: list[tuple[int, int, int, int]] = []
+# The session's runs while its tests run, with their steps: each test's teardown frees what no later test reads.
+SESSION_RUNS: list[tuple[Waves, dict]] = []
 # Where the model cast float64 down and the float64 runs kept float64 instead (float64.py), for the summary.
 KEPT_FLOAT64: list[str] = []
 
@@ -103,27 +106,44 @@ def steps(global_batch) -> dict:
 def cpu_runs(request, tmp_path_factory, steps) -> Waves:
     """Every CPU run the suite reads, by name, each started on first use with the runs of its wave that the session's
     selected tests read (runs.py); none after the first wave's ranks turn out to hold different data (check_data.py).
-    At the end of the session their checkpoints are deleted (the logs stay), and the summary says how much they were."""
+    A run's checkpoints are deleted once no test still to run reads it (after each test: Waves.release), the rest at
+    the end of the session (the logs stay), and the summary says how much they were."""
     runs = shared_runs(tmp_path_factory.mktemp("runs"), steps, data_gate)
     runs.want(runs_read(request.session.items, steps))
+    SESSION_RUNS.append((runs, steps))
     yield runs
-    weights = runs.done["1dev-fp64"].weights() if "1dev-fp64" in runs.done else {}
+    SESSION_RUNS.clear()
+    runs.footprint.measure(runs.base)
+    if "1dev-fp64" in runs.done and not runs.model_bytes:
+        runs.model_bytes = sum(t.nbytes for t in runs.done["1dev-fp64"].weights().values())
     casts = runs.base / "1dev-fp64" / "probe" / "float64-casts.json"
     KEPT_FLOAT64.extend(summary(json.loads(casts.read_text())) if casts.is_file() else [])
-    files = remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))
-    FOOTPRINT.append((*files, sum(t.nbytes for t in weights.values())))
+    remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))
+    FOOTPRINT.append((*runs.footprint.written(), runs.footprint.peak, runs.model_bytes))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After each test, delete the checkpoints of the runs that no later test reads (unless they are kept): a large
+    model's session then holds a few runs' checkpoints at a time, not all of them."""
+    if not SESSION_RUNS or os.environ.get(KEEP_CHECKPOINTS):
+        return
+    runs, steps = SESSION_RUNS[-1]
+    items = item.session.items
+    runs.release(runs_read(items[items.index(item) + 1 :], steps))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     kept = f"kept ({KEEP_CHECKPOINTS} is set)"
-    deleted = f"deleted at the end of the session, the logs kept ({KEEP_CHECKPOINTS}=1 keeps them)"
+    deleted = f"each run's deleted once no test left reads it, the logs kept ({KEEP_CHECKPOINTS}=1 keeps them)"
     for line in KEPT_FLOAT64:
         terminalreporter.write_line(f"ddpkit: {line}")
-    for count, size, model in FOOTPRINT:
+    for count, size, peak, model in FOOTPRINT:
         times = f" ({size / model:.0f} x the model's {model / 1e6:.1f} MB of float64 weights)" if model else ""
+        at_once = f" ({peak / model:.1f} x)" if model else ""
         terminalreporter.write_line(
-            f"ddpkit: the suite's runs wrote {count} checkpoint files, {size / 1e6:.0f} MB{times}; "
-            f"{kept if os.environ.get(KEEP_CHECKPOINTS) else deleted}"
+            f"ddpkit: the suite's runs wrote {count} checkpoint files, {size / 1e6:.0f} MB{times}, at most "
+            f"{peak / 1e6:.0f} MB{at_once} on disk at once; {kept if os.environ.get(KEEP_CHECKPOINTS) else deleted}"
         )
 
 

@@ -41,12 +41,12 @@ from .. import presets
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .helpers import main_py
 from .runs import (
-    EVALUATIONS,
     NUDGE,
     ONE_STEP,
     ONE_STEP_NUDGED,
     PROJECT_CONFIG,
     STEP_PRECISIONS,
+    THIRD_WAVE,
     Run,
     Wave,
     Waves,
@@ -288,10 +288,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             ),
             second,
         ),  # fmt: skip
-        Wave(
-            ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue"),
-            third,
-        ),  # fmt: skip
+        Wave(THIRD_WAVE, third),
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
         # The one-step runs from nudged states, only when a one-step check is over its bound (its second look).
