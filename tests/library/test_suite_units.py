@@ -17,10 +17,11 @@ from ddpkit.run.requeue import next_hpc_checkpoint
 from ddpkit.testing import plugin  # noqa: F401  first: it registers the suite's modules for assert rewriting
 from ddpkit.parity import ROUNDING_CEILING, ROUNDING_FACTOR
 from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_bound, judge, logged_bound
-from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, StepVerdict, over_twice, step_verdicts
+from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, StepVerdict, different_starts, over_twice, step_verdicts
 from ddpkit.testing.configured import switch_off
-from ddpkit.testing.parity_probe import nudged
-from ddpkit.testing.runs import Run, Wave, Waves, command, evaluation_runs, failed, plan, remove_checkpoints, runs_read
+from ddpkit.testing.parity_probe import digests, nudged
+from ddpkit.testing.footprint import Footprint, remove_checkpoints
+from ddpkit.testing.runs import Run, Wave, Waves, command, evaluation_runs, failed, plan, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -323,12 +324,12 @@ def test_remove_checkpoints_counts_each_file_once_and_keeps_the_logs(tmp_path):
 
 
 def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts_from_them(tmp_path):
-    """Waves.release after a test, given what the later tests read: a run no one reads loses its checkpoints (its logs
-    stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from them)
-    and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that run
-    shares with a finished one (the evaluations' copy). Nothing goes when a later test declares nothing. The footprint
-    counts each file once, a hard link too, and the most bytes on disk at once."""
-    runs = Waves(tmp_path, [])
+    """Footprint.release after a test, given what the later tests read: a run no one reads loses its checkpoints (its
+    logs stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from
+    them) and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that
+    run shares with a finished one (the evaluations' copy). Nothing goes when a later test declares nothing. The
+    footprint counts each file once, a hard link too, and the most bytes on disk at once."""
+    runs, footprint = Waves(tmp_path, []), Footprint()
     folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
                "step-1dev-fp32": "step-1dev-fp32", "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
     for name, folder in folders.items():
@@ -340,17 +341,19 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
         runs.done[name] = Run(tmp_path / folder, tmp_path / f"{name}.log")
     os.link(tmp_path / "1dev-fp64/lightning_logs/version_0/checkpoints/last.ckpt", tmp_path / "eval/last.ckpt")
     one_file = (tmp_path / "eval/last.ckpt").stat().st_size
-    kept = lambda: sorted(p.parent.name if p.parent.name != "checkpoints" else p.parts[-5] for p in tmp_path.rglob("*.ckpt"))  # noqa: E731
 
-    assert runs.release(None) == [] and len(kept()) == 6
-    assert runs.release({"step-1dev-fp32", "test-1dev"}) == ["slurm", "torchrun-fp64"]
+    def kept() -> list[str]:  # the folders that still hold a checkpoint
+        return sorted(p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt"))
+
+    assert footprint.release(runs, None) == [] and len(kept()) == 6
+    assert footprint.release(runs, {"step-1dev-fp32", "test-1dev"}) == ["slurm", "torchrun-fp64"]
     assert kept() == ["1dev-fp64", "2dev-fp64", "eval", "step-1dev-fp32"]
-    assert runs.footprint.peak == 5 * one_file and runs.model_bytes == 32  # the link counted once
+    assert footprint.peak == 5 * one_file and footprint.model_bytes == 32  # the link counted once
     runs.done["test-1dev"] = Run(tmp_path / "eval", tmp_path / "test-1dev.log")
-    assert runs.release({"step-1dev-fp32"}) == ["2dev-fp64", "eval"]
+    assert footprint.release(runs, {"step-1dev-fp32"}) == ["2dev-fp64", "eval"]
     assert kept() == ["1dev-fp64", "step-1dev-fp32"]
-    assert runs.release(set()) == ["1dev-fp64", "step-1dev-fp32"] and kept() == []
-    assert runs.footprint.written() == (5, 5 * one_file) and runs.footprint.peak == 5 * one_file
+    assert footprint.release(runs, set()) == ["1dev-fp64", "step-1dev-fp32"] and kept() == []
+    assert footprint.written() == (5, 5 * one_file) and footprint.peak == 5 * one_file
     assert len(list(tmp_path.rglob("metrics.csv"))) == 6
 
 
@@ -494,6 +497,21 @@ def test_after_the_step_buffers_are_judged_and_trained_weights_are_not():
     bf16 = torch.finfo(torch.bfloat16).eps
     assert near["running_mean"].bound == pytest.approx(ONE_STEP_FACTOR * bf16 * (0.1**2 + 0.2**2) ** 0.5, rel=1e-6)
     assert after([-1e-3] * 3, (0.1, 0.25))["running_mean"].over
+
+
+def test_a_slim_record_is_judged_by_its_untrained_tensors_and_the_digests_of_its_start():
+    """A record keeps whole only the tensors its step gave no gradient (parity_probe.OneStep): one that 2 devices
+    trained and 1 device did not is over (no after-step value to compare); two starts are the same when every
+    tensor's digest is, a record without digests falls back on its "before" tensors."""
+    w = torch.tensor([1.0, 2.0])
+    one = {1: {"before": {"w": w}, "grads": [{}], "after": {"w": w}, "logged": {}, "started_from": digests({"w": w})}}
+    two = {1: {"before": {}, "grads": [{"w": w}], "after": {}, "logged": {}, "started_from": digests({"w": w})}}
+    (verdict,) = [v for _, what, v in step_verdicts(one, two, one, "fp32") if what == "after"]
+    assert verdict.over and verdict.note == "trained on 2 devices alone"
+    assert different_starts(one[1], two[1]) == []
+    assert different_starts(one[1], {**two[1], "started_from": digests({"w": w + 2**-20})}) == ["w"]
+    assert different_starts({"before": {"w": w}}, {"before": {"w": w.clone()}}) == []
+    assert different_starts({"before": {"w": w}}, {"before": {"w": -w}}) == ["w"]
 
 
 def test_a_tensor_over_its_one_step_bound_fails_only_if_over_again_from_the_nudged_states():

@@ -46,6 +46,7 @@ import pytest
 import torch
 
 from .bounds import no_gradient
+from .parity_probe import digests
 from .runs import NUDGE, STEP_PRECISIONS, Run, Waves, comparable, reads
 
 # 2 devices' difference over the step's own rounding, worst tensor of any point: gradients at most 2.12 x (GPT-2,
@@ -58,8 +59,16 @@ EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat1
 
 
 def records(run: Run) -> dict[int, dict]:
-    """The steps a one-step run took: {global batch: {"before", "grads", "after", "logged"}} (rank 0's)."""
+    """The steps a one-step run took: {global batch: {"before", "grads", "after", "logged", "started_from"}} (rank
+    0's; "before" and "after" hold the tensors the step gave no gradient, "started_from" every tensor's digest)."""
     return torch.load(run.root / "probe" / "onestep.pt", weights_only=False)
+
+
+def different_starts(one: dict, two: dict) -> list[str]:
+    """The tensors whose bits differ between the states two steps' records started from (their digests; a record
+    without them: of its "before" tensors)."""
+    ones, twos = (record.get("started_from") or digests(record["before"]) for record in (one, two))
+    return [name for name, digest in ones.items() if digest != twos.get(name)]
 
 
 def norm(t: torch.Tensor) -> float:
@@ -138,12 +147,16 @@ def step_verdicts(
         for name, x in a["after"].items():
             if name in trained:
                 continue
-            y = b["after"][name]
+            y = b["after"].get(name)
+            if y is None:  # 2 devices gave it a gradient, 1 device none
+                out.append((k, "after", StepVerdict(name, math.inf, math.inf, 0.0, note="trained on 2 devices alone")))
+                continue
             if not x.is_floating_point():  # a count (num_batches_tracked): exact
                 out.append((k, "after", judged(name, x, y, 0.0, factor)))
                 continue
             # The update's rounding: float64's update of the same state against this precision's.
-            step, exact_step = (x - a["before"][name].to(x.dtype)), (e["after"][name] - e["before"][name])
+            step = x - a["before"][name].to(x.dtype)
+            exact_step = e["after"][name] - e["before"][name] if name in e["after"] else step.double()
             update = max(norm(exact_step - step.double()), eps * norm(step))
             stored = torch.finfo(x.dtype).eps * norm(x)
             out.append((k, "after", judged(name, x, y, max(update, stored), factor)))
@@ -193,7 +206,7 @@ def look(cpu_runs: Waves, steps: dict, precision: str, nudged: bool = False) -> 
     expected = sorted({0, 1, steps["steps_per_epoch"], steps["steps_per_epoch"] + 1} - {2 * steps["steps_per_epoch"]})
     assert sorted(one) == sorted(two) == sorted(exact) == expected[: 2 * steps["step_batches"]]
     for k in one:  # the same state before each step, bit for bit: else the steps cannot be compared
-        started = [name for name, t in one[k]["before"].items() if not torch.equal(t, two[k]["before"][name])]
+        started = different_starts(one[k], two[k])
         assert not started, f"global batch {k}: 1 and 2 devices started from different {started[:3]}"
     return step_verdicts(one, two, exact, precision, no_gradient(cpu_runs))
 

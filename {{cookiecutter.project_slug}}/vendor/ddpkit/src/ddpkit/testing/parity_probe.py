@@ -186,9 +186,10 @@ class OneStep(NoDropout):
     from this run's own initialization). Lightning then trains that batch: global batch k is the same set of samples
     on any device count (GlobalBatchSampler), so runs on 1 and on N devices take the same step from the same state.
     It records, per global batch, the gradients each optimizer step sees (after the all-reduce and any unscaling:
-    `on_before_optimizer_step`), the weights and buffers before and after the step, and the scalars the module
-    logged in it; rank 0 writes them to probe/onestep.pt, and every rank a digest of its weights after each step and
-    what it logged to probe/onestep-rank<r>.json (the ranks of a DDP run hold the same bits).
+    `on_before_optimizer_step`), the buffers and untrained weights before and after the step (of every tensor, a
+    digest of the state the step started from), and the scalars the module logged in it; rank 0 writes them to
+    probe/onestep.pt, and every rank a digest of its weights after each step and what it logged to
+    probe/onestep-rank<r>.json (the ranks of a DDP run hold the same bits).
 
     Args:
         states: The folder of the saved states (another run's probe/ folder).
@@ -244,11 +245,18 @@ class OneStep(NoDropout):
         if (batch_idx + 1) % trainer.accumulate_grad_batches or self.current is None:
             return  # the step is not over
         after = _copy(pl_module.state_dict())
-        self.current["after"] = after
         self.current["logged"] = {k: v.item() for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         k = next(k for k, v in self.record.items() if v is self.current)
-        digests = {name: hashlib.sha1(t.numpy().tobytes()).hexdigest() for name, t in after.items()}
-        self.digests[k] = {"weights": digests, "logged": self.current["logged"]}
+        self.digests[k] = {"weights": digests(after), "logged": self.current["logged"]}
+        # The record keeps whole only the tensors the step gave no gradient (buffers, parameters nothing trained),
+        # before and after it, which the check judges; of the others, a digest of the state it started from (the
+        # check's same-start test). Whole, every record held 3 copies of the model a step (36 x its float64 weights
+        # over the 5 runs: docs/measurements.md, 2026-12-06).
+        trained = {name for grads in self.current["grads"] for name in grads}
+        before = self.current["before"]
+        self.current["started_from"] = digests(before)
+        self.current["before"] = {name: t for name, t in before.items() if name not in trained}
+        self.current["after"] = {name: t for name, t in after.items() if name not in trained}
         self.current = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -275,6 +283,11 @@ def nudged(state: dict[str, Tensor], weights: set[str], nudge: float, seed: int)
 
 def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name: t.detach().cpu().clone() for name, t in state.items()}
+
+
+def digests(state: dict[str, Tensor]) -> dict[str, str]:
+    """Each tensor's bytes as a SHA-1: equal digests are the same bits."""
+    return {name: hashlib.sha1(t.contiguous().numpy().tobytes()).hexdigest() for name, t in state.items()}
 
 
 class GradientPeaks(L.Callback):

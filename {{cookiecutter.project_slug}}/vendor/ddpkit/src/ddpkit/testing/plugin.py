@@ -22,7 +22,8 @@ from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .float64 import summary  # noqa: E402
 from .helpers import set_project  # noqa: E402
-from .runs import Run, Waves, plan, remove_checkpoints, runs_read  # noqa: E402
+from .footprint import Footprint, remove_checkpoints  # noqa: E402
+from .runs import Run, Waves, plan, runs_read  # noqa: E402
 from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
 
 # Set (to anything) to keep the runs' checkpoints after the session, to look into a failure.
@@ -31,7 +32,7 @@ KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
 # model's float64 weights' bytes).
 FOOTPRINT: list[tuple[int, int, int, int]] = []
 # The session's runs while its tests run, with their steps: each test's teardown frees what no later test reads.
-SESSION_RUNS: list[tuple[Waves, dict]] = []
+SESSION_RUNS: list[tuple[Waves, dict, Footprint]] = []
 # Where the model cast float64 down and the float64 runs kept float64 instead (float64.py), for the summary.
 KEPT_FLOAT64: list[str] = []
 
@@ -106,20 +107,18 @@ def steps(global_batch) -> dict:
 def cpu_runs(request, tmp_path_factory, steps) -> Waves:
     """Every CPU run the suite reads, by name, each started on first use with the runs of its wave that the session's
     selected tests read (runs.py); none after the first wave's ranks turn out to hold different data (check_data.py).
-    A run's checkpoints are deleted once no test still to run reads it (after each test: Waves.release), the rest at
-    the end of the session (the logs stay), and the summary says how much they were."""
-    runs = shared_runs(tmp_path_factory.mktemp("runs"), steps, data_gate)
+    A run's checkpoints are deleted once no test still to run reads it (after each test: Footprint.release), the rest
+    at the end of the session (the logs stay), and the summary says how much they were."""
+    runs, footprint = shared_runs(tmp_path_factory.mktemp("runs"), steps, data_gate), Footprint()
     runs.want(runs_read(request.session.items, steps))
-    SESSION_RUNS.append((runs, steps))
+    SESSION_RUNS.append((runs, steps, footprint))
     yield runs
     SESSION_RUNS.clear()
-    runs.footprint.measure(runs.base)
-    if "1dev-fp64" in runs.done and not runs.model_bytes:
-        runs.model_bytes = sum(t.nbytes for t in runs.done["1dev-fp64"].weights().values())
+    footprint.measure(runs)
     casts = runs.base / "1dev-fp64" / "probe" / "float64-casts.json"
     KEPT_FLOAT64.extend(summary(json.loads(casts.read_text())) if casts.is_file() else [])
     remove_checkpoints(runs.base, delete=not os.environ.get(KEEP_CHECKPOINTS))
-    FOOTPRINT.append((*runs.footprint.written(), runs.footprint.peak, runs.model_bytes))
+    FOOTPRINT.append((*footprint.written(), footprint.peak, footprint.model_bytes))
 
 
 @pytest.hookimpl(trylast=True)
@@ -128,9 +127,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     model's session then holds a few runs' checkpoints at a time, not all of them."""
     if not SESSION_RUNS or os.environ.get(KEEP_CHECKPOINTS):
         return
-    runs, steps = SESSION_RUNS[-1]
+    runs, steps, footprint = SESSION_RUNS[-1]
     items = item.session.items
-    runs.release(runs_read(items[items.index(item) + 1 :], steps))
+    footprint.release(runs, runs_read(items[items.index(item) + 1 :], steps))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -198,9 +198,6 @@ class Waves:
         self.started: list[str] = []  # in the order they started
         self.stopped = ""  # the gate's reason
         self.gated = gate is None  # the gate has been asked
-        self.footprint = Footprint()
-        self.freed: set[str] = set()  # folders whose checkpoints are deleted (release)
-        self.model_bytes = 0  # the model's float64 weights, read from the 1-device float64 run before its deletion
 
     def want(self, names: set[str] | None) -> None:
         """The runs the session's tests read (None: unknown, start every run of a wave)."""
@@ -247,50 +244,6 @@ class Waves:
         if not self.gated and all(n in self.done or n in self.failed for n in GATED_BY):
             self.gated, self.stopped = True, self.gate(self)
 
-    def release(self, still_read: set[str] | None) -> list[str]:
-        """Delete the checkpoints of the runs that have run and that no test still to run reads (`still_read`, from
-        their `reads`), directly or through a run that starts from their files and has not run yet (STARTS_FROM; a
-        one-step run may run again from nudged states in a test that reads it); the logs and records stay. Return
-        the folders freed. None (a test that uses the runs declares nothing): nothing is freed."""
-        if still_read is None:
-            return []
-        kept = set(still_read)
-        for name in still_read:
-            if name not in self.done or name in ONE_STEP:
-                kept |= set(STARTS_FROM.get(name, ()))
-        kept_folders = {FOLDERS.get(name, name) for name in kept}  # a folder's runs still to run need its files too
-        ran = {FOLDERS.get(name, name) for name in [*self.done, *self.failed]}
-        freed = sorted(ran - kept_folders - self.freed)
-        if freed:
-            self.footprint.measure(self.base)  # before deleting: files are only added between two releases
-            if "1dev-fp64" in self.done and not self.model_bytes:
-                self.model_bytes = sum(t.nbytes for t in self.done["1dev-fp64"].weights().values())
-            for folder in freed:
-                remove_checkpoints(self.base / folder)
-            self.freed |= set(freed)
-        return freed
-
-
-class Footprint:
-    """The checkpoint and weights files of a session's runs, each counted once (a hard link too): how many, their
-    bytes, and the most bytes on disk at once. `measure` before each deletion and at the end: between two deletions
-    the runs only add files (but for a checkpoint a run replaces, which Lightning writes before it removes the old)."""
-
-    def __init__(self) -> None:
-        self.files: dict[tuple[int, int], int] = {}  # (inode, modification time) -> bytes; an inode can be reused
-        self.peak = 0
-
-    def measure(self, base: Path) -> None:
-        now = {}
-        for path in heavy_files(base):
-            stat = path.stat()
-            now[stat.st_ino, stat.st_mtime_ns] = stat.st_size
-        self.files |= now
-        self.peak = max(self.peak, sum(now.values()))
-
-    def written(self) -> tuple[int, int]:
-        return len(self.files), sum(self.files.values())
-
 
 def in_slot(job: Callable[[], Run]) -> Run:
     """`job()` once it holds one of the machine's slots for the suite's runs."""
@@ -336,28 +289,6 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
-    """Delete every checkpoint and weights file under `base` (a sharded checkpoint is a folder), keeping the logs
-    and the probe's records; return how many files there were and their bytes (a hard-linked file once). The
-    suite's runs write dozens (a ResNet-18's are 90 MB each in float64), and pytest keeps the temporary folders of
-    three sessions. `delete=False` only counts them."""
-    files = {f.stat().st_ino: f.stat().st_size for f in heavy_files(base)}
-    for path in heavy(base) if delete else []:
-        if path.exists():  # not inside a sharded checkpoint removed before
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return len(files), sum(files.values())
-
-
-def heavy(base: Path) -> list[Path]:
-    """The checkpoints (a sharded one is a folder) and weights files under `base`."""
-    return [p for p in base.rglob("*") if p.suffix in (".ckpt", ".pt")]
-
-
-def heavy_files(base: Path) -> list[Path]:
-    """The files of `heavy`, a sharded checkpoint's included."""
-    return [f for p in heavy(base) for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()]
-
-
 # The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`), after which Waves' gate is asked.
 GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
@@ -367,16 +298,8 @@ ONE_STEP = ("step-1dev-fp32", "step-2dev-fp32", "step-1dev-bf16", "step-2dev-bf1
 # over its bound: the second look (check_onestep.over_twice; docs/measurements.md, "ReLU kinks").
 NUDGE = 1e-4
 ONE_STEP_NUDGED = tuple(f"{name}-nudged" for name in ONE_STEP)
-# The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
-# the third wave from both first-wave float64 runs' checkpoints (building it copies the 1-device run and re-tags the
-# 2-device run's), each kept until the run has run (Waves.release).
+# The third wave (waves.py): from the first wave's checkpoints, and the SLURM job.
 THIRD_WAVE = ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue")
-STARTS_FROM = {
-    **dict.fromkeys((*ONE_STEP, *ONE_STEP_NUDGED), ("1dev-fp64",)),
-    **dict.fromkeys(THIRD_WAVE, ("1dev-fp64", "2dev-fp64")),
-}
-# Runs whose folder is not their name (waves.py): the evaluations on 1 device share a copy of the 1-device run.
-FOLDERS = {"validate-1dev": "eval", "test-1dev": "eval", "predict-1dev": "eval", "slurm-requeue": "slurm"}
 
 
 # The set each evaluation stage reads (configured.py's `<set>_size`).
@@ -406,9 +329,7 @@ __all__ = [
     "comparable",
     "evaluation_runs",
     "global_step",
-    "heavy_files",
     "plan",
     "reads",
-    "remove_checkpoints",
     "runs_read",
 ]

@@ -1,0 +1,87 @@
+"""The suite's checkpoints on disk (the plugin's): a run's are deleted once no test still to run reads it, nor a run
+that starts from them (`Footprint.release`, after each test), the rest at the end of the session; what the runs wrote
+and the most bytes on disk at once, for the session's summary.
+"""
+
+import shutil
+from pathlib import Path
+
+from .runs import ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves
+
+# The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
+# the third wave from both first-wave float64 runs' checkpoints (building it copies the 1-device run and re-tags the
+# 2-device run's), each kept until the run has run.
+STARTS_FROM = {
+    **dict.fromkeys((*ONE_STEP, *ONE_STEP_NUDGED), ("1dev-fp64",)),
+    **dict.fromkeys(THIRD_WAVE, ("1dev-fp64", "2dev-fp64")),
+}
+# Runs whose folder is not their name (waves.py): the evaluations on 1 device share a copy of the 1-device run.
+FOLDERS = {"validate-1dev": "eval", "test-1dev": "eval", "predict-1dev": "eval", "slurm-requeue": "slurm"}
+
+
+class Footprint:
+    """The checkpoint and weights files of a session's runs, each counted once (a hard link too): how many, their
+    bytes, and the most bytes on disk at once. `measure` before each deletion and at the end: between two deletions
+    the runs only add files (but for a checkpoint a run replaces, which Lightning writes before it removes the old)."""
+
+    def __init__(self) -> None:
+        self.files: dict[tuple[int, int], int] = {}  # (inode, modification time) -> bytes; an inode can be reused
+        self.peak = 0
+        self.freed: set[str] = set()  # the folders whose checkpoints are deleted
+        self.model_bytes = 0  # the model's float64 weights, read from the 1-device float64 run before its deletion
+
+    def measure(self, runs: Waves) -> None:
+        now = {}
+        for path in heavy_files(runs.base):
+            stat = path.stat()
+            now[stat.st_ino, stat.st_mtime_ns] = stat.st_size
+        self.files |= now
+        self.peak = max(self.peak, sum(now.values()))
+        if "1dev-fp64" in runs.done and not self.model_bytes and runs.done["1dev-fp64"].checkpoint().is_file():
+            self.model_bytes = sum(t.nbytes for t in runs.done["1dev-fp64"].weights().values())
+
+    def written(self) -> tuple[int, int]:
+        return len(self.files), sum(self.files.values())
+
+    def release(self, runs: Waves, still_read: set[str] | None) -> list[str]:
+        """Delete the checkpoints of the runs that have run and that no test still to run reads (`still_read`, from
+        their `reads`), directly or through a run that starts from their files and has not run yet (STARTS_FROM; a
+        one-step run may run again from nudged states in a test that reads it); the logs and records stay. Return
+        the folders freed. None (a test that uses the runs declares nothing): nothing is freed."""
+        if still_read is None:
+            return []
+        kept = set(still_read)
+        for name in still_read:
+            if name not in runs.done or name in ONE_STEP:
+                kept |= set(STARTS_FROM.get(name, ()))
+        kept_folders = {FOLDERS.get(name, name) for name in kept}  # a folder's runs still to run need its files too
+        ran = {FOLDERS.get(name, name) for name in [*runs.done, *runs.failed]}
+        freed = sorted(ran - kept_folders - self.freed)
+        if freed:
+            self.measure(runs)  # before deleting: files are only added between two releases
+            for folder in freed:
+                remove_checkpoints(runs.base / folder)
+            self.freed |= set(freed)
+        return freed
+
+
+def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:
+    """Delete every checkpoint and weights file under `base` (a sharded checkpoint is a folder), keeping the logs
+    and the probe's records; return how many files there were and their bytes (a hard-linked file once). The
+    suite's runs write dozens (a ResNet-18's are 90 MB each in float64), and pytest keeps the temporary folders of
+    three sessions. `delete=False` only counts them."""
+    files = {f.stat().st_ino: f.stat().st_size for f in heavy_files(base)}
+    for path in heavy(base) if delete else []:
+        if path.exists():  # not inside a sharded checkpoint removed before
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return len(files), sum(files.values())
+
+
+def heavy(base: Path) -> list[Path]:
+    """The checkpoints (a sharded one is a folder) and weights files under `base`."""
+    return [p for p in base.rglob("*") if p.suffix in (".ckpt", ".pt")]
+
+
+def heavy_files(base: Path) -> list[Path]:
+    """The files of `heavy`, a sharded checkpoint's included."""
+    return [f for p in heavy(base) for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()]
