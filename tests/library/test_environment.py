@@ -9,8 +9,11 @@ import os
 import sys
 
 import pytest
+import torch
 from jsonargparse import Namespace
+from torch.utils.data import TensorDataset
 
+from ddpkit.data.global_batch import SUITE_SAMPLES, GlobalBatchDataModule
 from ddpkit.run.cli import BadInput, main, match_torchrun, place_loggers, requeued_run
 from ddpkit.run.trackers import RUN_IDS, continue_trackers
 from ddpkit.tune.run import trial_env
@@ -157,3 +160,42 @@ def test_a_variable_set_by_a_test_while_jobs_run_fails(monkeypatch, tmp_path):
     with pytest.raises(SystemExit):
         main(tmp_path / "no-config.yaml", ["--help"])
     assert os.environ["TQDM_MINITERS"] == "10"
+
+
+# ---- the guarantee suite's sample cut ---------------------------------------------------------------------------
+
+
+class Sets(GlobalBatchDataModule):
+    """100 training, 30 validation, 200 test samples and no predict set, each sample its own index."""
+
+    def train_dataset(self):
+        return TensorDataset(torch.arange(100))
+
+    def val_dataset(self):
+        return TensorDataset(torch.arange(30))
+
+    def test_dataset(self):
+        return TensorDataset(torch.arange(200))
+
+
+def test_suite_samples_cut_every_set_to_its_first_n(monkeypatch):
+    """DDPKIT_SUITE_SAMPLES=64: each set longer than 64 is its first 64 samples (train, val at fit and at validate,
+    test), a shorter one stays whole, and the global batch counts steps from the cut set; with a warning that says
+    so. Unset: every sample. Not a count: refused, naming the variable."""
+    monkeypatch.setenv(SUITE_SAMPLES, "64")
+    data = Sets(global_batch_size=32)
+    with pytest.warns(UserWarning, match="DDPKIT_SUITE_SAMPLES=64: the train set is its first 64 of 100 samples"):
+        data.setup("fit")
+    assert [int(x) for (x,) in data.train_set] == list(range(64)) and len(data.val_set) == 30
+    assert data.train_sampler().num_global_batches == 2
+    with pytest.warns(UserWarning, match="the test set is its first 64 of 200 samples"):
+        data.setup("test")
+    assert len(data.test_set) == 64 and int(data.test_set[63][0]) == 63
+    monkeypatch.delenv(SUITE_SAMPLES)
+    data.setup("fit")
+    data.setup("test")
+    assert (len(data.train_set), len(data.test_set)) == (100, 200)
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv(SUITE_SAMPLES, bad)
+        with pytest.raises(ValueError, match=f"DDPKIT_SUITE_SAMPLES='{bad}': a number of samples"):
+            data.setup("fit")

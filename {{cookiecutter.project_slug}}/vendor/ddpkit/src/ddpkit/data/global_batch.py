@@ -27,10 +27,33 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from .draws import SeededSamples, own_draws
 from .sampling import BlockSampler, GlobalBatchSampler, ResumableLoader, eval_sampler
+
+# The guarantee suite's switch for a large model (docs/testing.md): every set cut to its first N samples, in every
+# process the suite starts (they inherit it), with a warning wherever it is set.
+SUITE_SAMPLES = "DDPKIT_SUITE_SAMPLES"
+
+
+def _suite_samples() -> int | None:
+    """DDPKIT_SUITE_SAMPLES as a count of samples, None when it is not set."""
+    given = os.environ.get(SUITE_SAMPLES, "")
+    if not given:
+        return None
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"{SUITE_SAMPLES}={given!r}: a number of samples (at least 1), or unset for every sample")
+    return int(given)
+
+
+def _first_samples(dataset: Dataset | None, name: str) -> Dataset | None:
+    """`dataset` cut to its first DDPKIT_SUITE_SAMPLES samples, when that is set and the set is longer."""
+    n = _suite_samples()
+    if dataset is None or n is None or len(dataset) <= n:
+        return dataset
+    rank_zero_warn(f"{SUITE_SAMPLES}={n}: the {name} set is its first {n} of {len(dataset)} samples")
+    return Subset(dataset, range(n))
 
 
 class GlobalBatchDataModule(L.LightningDataModule):
@@ -147,6 +170,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
                     "dataset: GlobalBatchDataModule samples map-style datasets; for a stream or shards, subclass "
                     "ddpkit.data.streaming.StreamingDataModule and return train_shards()"
                 )
+            self.train_set = _first_samples(self.train_set, "train")
             self.train_sampler()  # fail now, before any step, if the global batch does not fit
             if self.seeded_draws:  # 8 samples read twice: a generator of the dataset's own, which no seed reaches
                 own = own_draws(self.train_set)
@@ -163,9 +187,11 @@ class GlobalBatchDataModule(L.LightningDataModule):
         elif stage == "validate":
             self.val_set = self.val_dataset()
         elif stage == "test":
-            self.test_set = self.test_dataset()
+            self.test_set = _first_samples(self.test_dataset(), "test")
         elif stage == "predict":
-            self.predict_set = self.predict_dataset()
+            self.predict_set = _first_samples(self.predict_dataset(), "predict")
+        if stage in ("fit", "validate"):
+            self.val_set = _first_samples(self.val_set, "val")
 
     def train_sampler(self) -> GlobalBatchSampler:
         # Seeded by --seed_everything (Lightning exports it to every rank), like Lightning's own sampler.
