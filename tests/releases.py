@@ -78,13 +78,33 @@ def story(base: Path, releases: list[str], constraints: Path | None = None, whee
     try:
         for name, cmd in steps:
             began = time.monotonic()
-            result = run(cmd, project, timeout=1800, env=env)
-            record[name] = (result.returncode, result.stdout, time.monotonic() - began)
-            if result.returncode and name in INSTALLS:
+            code, out = run_step(name, cmd, project, env)
+            record[name] = (code, out, time.monotonic() - began)
+            if code and name in INSTALLS:
                 break
     finally:  # the record holds what the tests read; a CUDA torch's environment is 5 GB that pytest would keep
         shutil.rmtree(base / "venv", ignore_errors=True)
     return record
+
+
+# A process that a test waits for and kills after its timeout (procs.finish, ddpkit.testing.helpers).
+TIMED_OUT = "timed out after"
+# On torch 2.4.0, a 2-process gloo run that had trained, validated and printed its doctor's report never exited, in the
+# CLI's destroy_process_group (gloo's destructor holds the GIL while it joins its threads; torch released it there from
+# 2.8: pytorch/pytorch#154976): the oldest job's units in the CI runs of 2026-12-06 (the micro-batched doctor fixture)
+# and once before with the units beside the project's pytest. Not this project's code, and not seen on torch 2.13.
+RAN_AGAIN = "ran again: a process timed out in the first try (on torch 2.4, a hang at exit: tests/releases.py)"
+
+
+def run_step(name: str, cmd: list[str], cwd: Path, env: dict, timeout: float = 1800) -> tuple[int, str]:
+    """A story's step: its exit code and output. A test step that failed on a process timing out runs once more
+    (RAN_AGAIN): the first try's failures head the output, the second's summary is its last line."""
+    result = run(cmd, cwd, timeout=timeout, env=env)
+    if not result.returncode or name in INSTALLS or TIMED_OUT not in result.stdout:
+        return result.returncode, result.stdout
+    failed = "\n".join(line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR")))
+    again = run(cmd, cwd, timeout=timeout, env=env)
+    return again.returncode, f"{RAN_AGAIN}\n{failed}\n{again.stdout}"
 
 
 def installed(record: dict) -> dict[str, str]:

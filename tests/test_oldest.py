@@ -3,12 +3,14 @@ the oldest Lightning & co.), installed before a default bake: `pip install -e ".
 declares ranges, not pins), and the project's own `pytest` (its example's tests and the guarantee suite) and the
 library's unit tests pass on them (releases.story). The newest set is the rest of this repository's CI."""
 
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 from bakes import TEMPLATE, pinned_versions
 from packaging.version import Version
-from releases import CONSTRAINTS, INSTALLS, download, kept, story, with_releases
+from releases import CONSTRAINTS, INSTALLS, RAN_AGAIN, download, kept, run_step, story, with_releases
 
 OLDEST = TEMPLATE / "tests" / "oldest.txt"
 # The suite's one skip on CPU that is not a GPU test's: FSDP2 needs CUDA before torch 2.6 (ddpkit.model.sharding).
@@ -54,6 +56,8 @@ def test_project_pytest_and_library_units_pass_on_the_oldest_releases(oldest, st
     with no warning that torch.load's default is unsafe; only GPU tests skip, and the sharded check where torch
     runs FSDP2 on CPU processes only from 2.6."""
     code, out, _ = oldest[step]
+    if out.startswith(RAN_AGAIN):  # said in the session's warnings summary, with the first try's failures
+        warnings.warn(out[:3000], stacklevel=1)
     summary = out.strip().splitlines()[-1]
     assert code == 0 and " passed" in summary and "failed" not in summary and "error" not in summary, out[-6000:]
     assert "You are using `torch.load` with `weights_only=False`" not in out, out[-6000:]
@@ -78,3 +82,27 @@ def test_a_new_release_replaces_its_pin_in_the_newest_set(tmp_path):
     newest = pinned_versions(CONSTRAINTS)
     written = pinned_versions(with_releases(["torch==2.15.0"], tmp_path))
     assert written == {**newest, "torch": "2.15.0"} and newest["torch"] != "2.15.0"
+
+
+def test_a_step_that_timed_out_runs_once_more_and_says_so(tmp_path):
+    """A test step whose first try failed on a process timing out (torch 2.4's hang at exit) runs once more: its
+    record opens with RAN_AGAIN and the first try's failures and ends with the second try's summary. Any other
+    failure, and an install's, runs once."""
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import pathlib, sys\n"
+        "tries = pathlib.Path('tries'); tries.write_text(tries.read_text() + 'x' if tries.exists() else 'x')\n"
+        "if len(tries.read_text()) == 1:\n"
+        "    print(sys.argv[1] + '\\nFAILED t.py::a - AssertionError\\n1 failed'); sys.exit(1)\n"
+        "print('1 passed')\n"
+    )
+    tries = tmp_path / "tries"
+    for name, says, runs, code in (("units", "x timed out after 180s", 2, 0), ("units", "assert 1 == 2", 1, 1),
+                                   ("torch", "x timed out after 180s", 1, 1)):  # fmt: skip
+        tries.unlink(missing_ok=True)
+        got, out = run_step(name, [sys.executable, str(script), says], tmp_path, {})
+        assert (got, len(tries.read_text())) == (code, runs), out
+        if runs == 2:
+            assert out.startswith(f"{RAN_AGAIN}\nFAILED t.py::a - AssertionError\n") and out.strip().endswith(
+                "1 passed"
+            )

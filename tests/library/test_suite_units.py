@@ -327,9 +327,11 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     """Footprint.release after a test, given what the later tests read: a run no one reads loses its checkpoints (its
     logs stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from
     them) and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that
-    run shares with a finished one (the evaluations' copy). Nothing goes when a later test declares nothing. The
-    footprint counts each file once, a hard link too, and the most bytes on disk at once."""
+    run shares with a finished one (the evaluations' copy). Of a run still read, the one-step states go with the
+    last one-step reader (the resume's state stays) and the cuda-tagged copy with resume-2to1's. Nothing goes when a
+    later test declares nothing. The footprint counts each file once, a hard link too, and the most bytes at once."""
     runs, footprint = Waves(tmp_path, []), Footprint()
+    steps = {"one_to_two": 5, "step_points": [1, 4, 5], "steps_per_batch": 1}
     folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
                "step-1dev-fp32": "step-1dev-fp32", "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
     for name, folder in folders.items():
@@ -341,19 +343,28 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
         runs.done[name] = Run(tmp_path / folder, tmp_path / f"{name}.log")
     os.link(tmp_path / "1dev-fp64/lightning_logs/version_0/checkpoints/last.ckpt", tmp_path / "eval/last.ckpt")
     one_file = (tmp_path / "eval/last.ckpt").stat().st_size
+    for state in ("1dev-fp64/probe/step1.ckpt", "1dev-fp64/probe/step4.ckpt", "1dev-fp64/probe/step5.ckpt",
+                  "2dev-fp64/probe/step3-cuda.ckpt"):  # fmt: skip
+        (tmp_path / state).parent.mkdir(exist_ok=True)
+        (tmp_path / state).write_bytes(b"x" * 10)
 
-    def kept() -> list[str]:  # the folders that still hold a checkpoint
-        return sorted(p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt"))
+    def kept() -> list[str]:  # the checkpoints left, by folder (a run's last.ckpt) or name (a state)
+        return sorted(
+            p.name if p.parent.name == "probe" else p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt")
+        )
 
-    assert footprint.release(runs, None) == [] and len(kept()) == 6
-    assert footprint.release(runs, {"step-1dev-fp32", "test-1dev"}) == ["slurm", "torchrun-fp64"]
-    assert kept() == ["1dev-fp64", "2dev-fp64", "eval", "step-1dev-fp32"]
-    assert footprint.peak == 5 * one_file and footprint.model_bytes == 32  # the link counted once
-    runs.done["test-1dev"] = Run(tmp_path / "eval", tmp_path / "test-1dev.log")
-    assert footprint.release(runs, {"step-1dev-fp32"}) == ["2dev-fp64", "eval"]
-    assert kept() == ["1dev-fp64", "step-1dev-fp32"]
-    assert footprint.release(runs, set()) == ["1dev-fp64", "step-1dev-fp32"] and kept() == []
-    assert footprint.written() == (5, 5 * one_file) and footprint.peak == 5 * one_file
+    assert footprint.release(runs, None, steps) == [] and len(kept()) == 10
+    assert footprint.release(runs, {"step-1dev-fp32", "test-1dev", "resume-2to1"}, steps) == ["slurm", "torchrun-fp64"]
+    assert footprint.peak == 5 * one_file + 40 and footprint.model_bytes == 32  # the link counted once
+    assert kept() == ["1dev-fp64", "2dev-fp64", "eval", "step-1dev-fp32", "step1.ckpt", "step3-cuda.ckpt",
+                      "step4.ckpt", "step5.ckpt"]  # fmt: skip
+    runs.done |= {"test-1dev": Run(tmp_path / "eval", tmp_path / "t.log"), "resume-2to1": Run(tmp_path / "r", tmp_path)}
+    assert footprint.release(runs, {"step-1dev-fp32", "2dev-fp64"}, steps) == ["eval", "resume-2to1"]
+    assert kept() == ["1dev-fp64", "2dev-fp64", "step-1dev-fp32", "step1.ckpt", "step4.ckpt", "step5.ckpt"]
+    assert footprint.release(runs, {"1dev-fp64"}, steps) == ["2dev-fp64", "step-1dev-fp32"]
+    assert kept() == ["1dev-fp64", "step5.ckpt"]
+    assert footprint.release(runs, set(), steps) == ["1dev-fp64"] and kept() == []
+    assert footprint.written() == (9, 5 * one_file + 40) and footprint.peak == 5 * one_file + 40
     assert len(list(tmp_path.rglob("metrics.csv"))) == 6
 
 

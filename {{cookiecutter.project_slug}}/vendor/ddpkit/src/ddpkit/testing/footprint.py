@@ -6,7 +6,7 @@ and the most bytes on disk at once, for the session's summary.
 import shutil
 from pathlib import Path
 
-from .runs import ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves
+from .runs import ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, global_step
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
 # the third wave from both first-wave float64 runs' checkpoints (building it copies the 1-device run and re-tags the
@@ -43,11 +43,12 @@ class Footprint:
     def written(self) -> tuple[int, int]:
         return len(self.files), sum(self.files.values())
 
-    def release(self, runs: Waves, still_read: set[str] | None) -> list[str]:
+    def release(self, runs: Waves, still_read: set[str] | None, steps: dict) -> list[str]:
         """Delete the checkpoints of the runs that have run and that no test still to run reads (`still_read`, from
         their `reads`), directly or through a run that starts from their files and has not run yet (STARTS_FROM; a
-        one-step run may run again from nudged states in a test that reads it); the logs and records stay. Return
-        the folders freed. None (a test that uses the runs declares nothing): nothing is freed."""
+        one-step run may run again from nudged states in a test that reads it); the logs and records stay. Of a run
+        still read, the files that only other runs needed (`parts`). Return the folders freed. None (a test that
+        uses the runs declares nothing): nothing is freed."""
         if still_read is None:
             return []
         kept = set(still_read)
@@ -57,12 +58,29 @@ class Footprint:
         kept_folders = {FOLDERS.get(name, name) for name in kept}  # a folder's runs still to run need its files too
         ran = {FOLDERS.get(name, name) for name in [*runs.done, *runs.failed]}
         freed = sorted(ran - kept_folders - self.freed)
-        if freed:
+        files = [f for f in parts(runs.base, kept, steps) if f.is_file()]
+        if freed or files:
             self.measure(runs)  # before deleting: files are only added between two releases
             for folder in freed:
                 remove_checkpoints(runs.base / folder)
+            for file in files:
+                file.unlink(missing_ok=True)
             self.freed |= set(freed)
         return freed
+
+
+def parts(base: Path, kept: set[str], steps: dict) -> list[Path]:
+    """The files of a first-wave run that only other runs start from, once none of those is read any more: the
+    1-device run's states at the one-step points (all but the resume's, which the third wave starts from), and the
+    2-device run's resume state re-tagged for cuda (runs.as_cuda)."""
+    found = []
+    if not kept & {*ONE_STEP, *ONE_STEP_NUDGED}:
+        resume = global_step(steps, steps["one_to_two"])
+        points = {global_step(steps, k) for k in steps["step_points"]} - {resume}
+        found += [base / "1dev-fp64" / "probe" / f"step{step}.ckpt" for step in sorted(points)]
+    if "resume-2to1" not in kept:
+        found += sorted((base / "2dev-fp64" / "probe").glob("*-cuda.ckpt"))
+    return found
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:

@@ -129,7 +129,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return
     runs, steps, footprint = SESSION_RUNS[-1]
     items = item.session.items
-    footprint.release(runs, runs_read(items[items.index(item) + 1 :], steps))
+    footprint.release(runs, runs_read(items[items.index(item) + 1 :], steps), steps)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

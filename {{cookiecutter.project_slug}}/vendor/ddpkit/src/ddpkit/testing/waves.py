@@ -7,7 +7,8 @@ three waves; the runs of a wave start at once, as many as the machine's slots al
    or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
    bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
 2. The one-step runs: from those states, single steps on 1 and 2 devices in float32 and in bf16-mixed, and on 1
-   device in float64 (check_onestep.py); `torchrun`, gradient accumulation on 2 devices x 2
+   device in float64 (check_onestep.py); then (a wave of their own, so that the one-step runs' files are gone
+   before theirs are written: footprint.py) `torchrun`, gradient accumulation on 2 devices x 2
    micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
    module shards (the library's model_parallel preset, compared with 1 device in float32), and, when the model
    takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
@@ -59,6 +60,7 @@ from .runs import (
     reference_run,
 )
 
+SCHEDULED = ("1dev-lr-fp64", "2dev-lr-fp64")  # 1 and 2 devices with a warmup + cosine schedule
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
 FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
 
@@ -211,7 +213,6 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
         }
-        jobs |= step_jobs(runs)
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
             jobs["2dev-acc2-fp64"] = run(
                 "2dev-acc2-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", *micro)), ranks=forked
@@ -221,9 +222,8 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             jobs["1dev-fp32"] = run("1dev-fp32", main_cmd(*fit(steps, "cpu", 1, "32-true")))
         if steps["takes_scheduler"]:  # with the CSV logger too: its learning rates at full precision
             lr = (*schedule_args(steps), csv)
-            for n in (1, 2):
-                cmd = main_cmd(*fit(steps, "cpu", n, "64-true", *lr))
-                jobs[f"{n}dev-lr-fp64"] = run(f"{n}dev-lr-fp64", cmd, ranks=n)
+            for n, name in enumerate(SCHEDULED, start=1):
+                jobs[name] = run(name, main_cmd(*fit(steps, "cpu", n, "64-true", *lr)), ranks=n)
         return jobs
 
     def third(runs: Waves) -> dict:
@@ -275,19 +275,10 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
 
     waves = [
         Wave(tuple(first), lambda runs: first),
-        Wave(
-            (
-                *ONE_STEP,
-                "torchrun-fp64",
-                "torchrun-nodes",
-                "2dev-acc2-fp64",
-                "sharded",
-                "1dev-fp32",
-                "1dev-lr-fp64",
-                "2dev-lr-fp64",
-            ),
-            second,
-        ),  # fmt: skip
+        # The one-step runs, a wave of their own: their tests come first among the second wave's, and once they have
+        # read them their records and the states they started from go (footprint.py) before the others write theirs.
+        Wave(ONE_STEP, step_jobs),
+        Wave(("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32", *SCHEDULED), second),
         Wave(THIRD_WAVE, third),
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
