@@ -331,7 +331,7 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     last one-step reader (the resume's state stays) and the cuda-tagged copy with resume-2to1's. Nothing goes when a
     later test declares nothing. The footprint counts each file once, a hard link too, and the most bytes at once."""
     runs, footprint = Waves(tmp_path, []), Footprint()
-    steps = {"one_to_two": 5, "step_points": [1, 4, 5], "steps_per_batch": 1}
+    steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_batch": 1}
     folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
                "step-1dev-fp32": "step-1dev-fp32", "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
     for name, folder in folders.items():

@@ -6,7 +6,7 @@ and the most bytes on disk at once, for the session's summary.
 import shutil
 from pathlib import Path
 
-from .runs import ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, global_step
+from .runs import ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, cuda_copy, global_step
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
 # the third wave from both first-wave float64 runs' checkpoints (building it copies the 1-device run and re-tags the
@@ -58,7 +58,7 @@ class Footprint:
         kept_folders = {FOLDERS.get(name, name) for name in kept}  # a folder's runs still to run need its files too
         ran = {FOLDERS.get(name, name) for name in [*runs.done, *runs.failed]}
         freed = sorted(ran - kept_folders - self.freed)
-        files = [f for f in parts(runs.base, kept, steps) if f.is_file()]
+        files = [f for f in parts(runs, kept, steps) if f.is_file()]
         if freed or files:
             self.measure(runs)  # before deleting: files are only added between two releases
             for folder in freed:
@@ -69,17 +69,18 @@ class Footprint:
         return freed
 
 
-def parts(base: Path, kept: set[str], steps: dict) -> list[Path]:
+def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
     """The files of a first-wave run that only other runs start from, once none of those is read any more: the
     1-device run's states at the one-step points (all but the resume's, which the third wave starts from), and the
     2-device run's resume state re-tagged for cuda (runs.as_cuda)."""
     found = []
-    if not kept & {*ONE_STEP, *ONE_STEP_NUDGED}:
+    one, two = runs.done.get("1dev-fp64"), runs.done.get("2dev-fp64")
+    if one and not kept & {*ONE_STEP, *ONE_STEP_NUDGED}:
         resume = global_step(steps, steps["one_to_two"])
         points = {global_step(steps, k) for k in steps["step_points"]} - {resume}
-        found += [base / "1dev-fp64" / "probe" / f"step{step}.ckpt" for step in sorted(points)]
-    if "resume-2to1" not in kept:
-        found += sorted((base / "2dev-fp64" / "probe").glob("*-cuda.ckpt"))
+        found += [one.mid_checkpoint(step) for step in sorted(points)]
+    if two and "resume-2to1" not in kept:
+        found.append(cuda_copy(two, steps))
     return found
 
 

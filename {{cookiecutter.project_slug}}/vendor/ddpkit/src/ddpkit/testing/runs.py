@@ -166,10 +166,15 @@ def failed(error: AssertionError) -> Callable[[], Run]:
     return job
 
 
+def cuda_copy(run: Run, steps: dict) -> Path:
+    """Where `as_cuda` saves `run`'s checkpoint 3/4 into epoch 0 tagged as stored on cuda:0."""
+    path = run.mid_checkpoint(global_step(steps, steps["two_to_one"]))
+    return path.with_name(f"{path.stem}-cuda.ckpt")
+
+
 def as_cuda(run: Run, steps: dict) -> Path:
     """`run`'s checkpoint 3/4 into epoch 0, saved again with every tensor tagged as stored on cuda:0."""
-    path = run.mid_checkpoint(global_step(steps, steps["two_to_one"]))
-    cuda = path.with_name(f"{path.stem}-cuda.ckpt")
+    path, cuda = run.mid_checkpoint(global_step(steps, steps["two_to_one"])), cuda_copy(run, steps)
     if not cuda.exists():
         save_as_cuda(torch.load(path, map_location="cpu", weights_only=False), cuda)
     return cuda
