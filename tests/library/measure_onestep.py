@@ -23,7 +23,7 @@ import torch
 from procs import TESTS, finish, start
 
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
-from ddpkit.testing.bounds import NO_GRADIENT
+from ddpkit.testing.parity_probe import NO_GRADIENT_FILE
 
 SIZES = ["--data.global_batch_size", "32", "--data.train_size", "128"]
 N = 4  # global batches an epoch
@@ -62,9 +62,7 @@ def report(bases: list[Path]) -> None:
     for base in bases:
         model = base.name.split("-")[1]
         for seed in sorted(p.name.split("-")[0] for p in base.glob("*-fp64")):
-            peaks = torch.load(base / f"{seed}-fp64" / "probe" / "gradient-peaks.pt")
-            top = max(t.max().item() for t in peaks.values())
-            masks = {n: t <= NO_GRADIENT * top for n, t in peaks.items()}  # the 1-device run's alone
+            masks = torch.load(base / f"{seed}-fp64" / "probe" / NO_GRADIENT_FILE)  # the 1-device run's alone
             exact = torch.load(base / f"{seed}-exact" / "probe" / "onestep.pt", weights_only=False)
             for tag in ("fp32", "bf16"):
                 one, two = (torch.load(base / f"{seed}-{tag}-{n}" / "probe" / "onestep.pt", weights_only=False)

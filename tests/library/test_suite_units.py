@@ -19,9 +19,11 @@ from ddpkit.parity import ROUNDING_CEILING, ROUNDING_FACTOR
 from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_bound, judge, logged_bound
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, StepVerdict, different_starts, over_twice, step_verdicts
 from ddpkit.testing.configured import switch_off
+from ddpkit.testing.parity_probe import NO_GRADIENT as NO_GRADIENT_OF_TOP
+from ddpkit.testing.parity_probe import NO_GRADIENT_FILE as MASKS
 from ddpkit.testing.parity_probe import digests, nudged
 from ddpkit.testing.footprint import Footprint, remove_checkpoints
-from ddpkit.testing.runs import Run, Wave, Waves, command, evaluation_runs, failed, plan, runs_read
+from ddpkit.testing.runs import EPOCH_CHECKPOINTS, Run, Wave, Waves, command, evaluation_runs, failed, plan, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -169,8 +171,9 @@ def test_elements_without_gradient_are_left_out_and_each_tensor_has_its_own_refe
     (tmp_path / "one" / "probe").mkdir(parents=True)
     (tmp_path / "two" / "probe").mkdir(parents=True)
     peaks = {"qkv.bias": F64([0.5, 0.4, 1e-21, 2e-21, 0.3, 0.2]), "k.bias": F64([1e-22]), "w": F64([1.0, 1.0])}
-    for run in ("one", "two"):
-        torch.save(peaks, tmp_path / run / "probe" / "gradient-peaks.pt")
+    top = max(t.max().item() for t in peaks.values())
+    for run in ("one", "two"):  # what parity_probe.GradientPeaks writes of such peaks
+        torch.save({n: t <= NO_GRADIENT_OF_TOP * top for n, t in peaks.items()}, tmp_path / run / "probe" / MASKS)
 
     class Run:
         def __init__(self, root, weights):
@@ -328,10 +331,10 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     logs stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from
     them) and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that
     run shares with a finished one (the evaluations' copy). Of a run still read, the one-step states go with the
-    last one-step reader (the resume's state stays) and the cuda-tagged copy with resume-2to1's. Nothing goes when a
-    later test declares nothing. The footprint counts each file once, a hard link too, and the most bytes at once."""
+    last one-step reader (the resume's state stays), the cuda-tagged copy with resume-2to1's, and the per-epoch
+    checkpoints with the check of their names (EPOCH_CHECKPOINTS). Nothing goes when a later test declares nothing. The footprint counts each file once, a hard link too, and the most bytes at once."""
     runs, footprint = Waves(tmp_path, []), Footprint()
-    steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_batch": 1}
+    steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_batch": 1, "steps_per_epoch": 4}
     folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
                "step-1dev-fp32": "step-1dev-fp32", "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
     for name, folder in folders.items():
@@ -344,19 +347,21 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     os.link(tmp_path / "1dev-fp64/lightning_logs/version_0/checkpoints/last.ckpt", tmp_path / "eval/last.ckpt")
     one_file = (tmp_path / "eval/last.ckpt").stat().st_size
     for state in ("1dev-fp64/probe/step1.ckpt", "1dev-fp64/probe/step4.ckpt", "1dev-fp64/probe/step5.ckpt",
-                  "2dev-fp64/probe/step3-cuda.ckpt"):  # fmt: skip
+                  "2dev-fp64/probe/step3-cuda.ckpt", *(f"{run}-fp64/lightning_logs/version_0/checkpoints/{epoch}.ckpt"
+                  for run in ("1dev", "2dev") for epoch in ("epoch=0-step=4", "epoch=1-step=8"))):  # fmt: skip
         (tmp_path / state).parent.mkdir(exist_ok=True)
         (tmp_path / state).write_bytes(b"x" * 10)
 
-    def kept() -> list[str]:  # the checkpoints left, by folder (a run's last.ckpt) or name (a state)
-        return sorted(
-            p.name if p.parent.name == "probe" else p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt")
-        )
+    def kept() -> list[str]:  # the checkpoints left, by folder (a run's last.ckpt) or name (a state, an epoch's)
+        named = lambda p: p.parent.name == "probe" or p.name.startswith("epoch=")  # noqa: E731
+        return sorted(p.name if named(p) else p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt"))
 
-    assert footprint.release(runs, None, steps) == [] and len(kept()) == 10
-    assert footprint.release(runs, {"step-1dev-fp32", "test-1dev", "resume-2to1"}, steps) == ["slurm", "torchrun-fp64"]
-    assert footprint.peak == 5 * one_file + 40 and footprint.model_bytes == 32  # the link counted once
-    assert kept() == ["1dev-fp64", "2dev-fp64", "eval", "step-1dev-fp32", "step1.ckpt", "step3-cuda.ckpt",
+    epochs = ["epoch=0-step=4.ckpt"] * 2 + ["epoch=1-step=8.ckpt"] * 2
+    assert footprint.release(runs, None, steps) == [] and len(kept()) == 14
+    later = {"step-1dev-fp32", "test-1dev", "resume-2to1", EPOCH_CHECKPOINTS}
+    assert footprint.release(runs, later, steps) == ["slurm", "torchrun-fp64"]
+    assert footprint.peak == 5 * one_file + 80 and footprint.model_bytes == 32  # the link counted once
+    assert kept() == ["1dev-fp64", "2dev-fp64", *epochs, "eval", "step-1dev-fp32", "step1.ckpt", "step3-cuda.ckpt",
                       "step4.ckpt", "step5.ckpt"]  # fmt: skip
     runs.done |= {"test-1dev": Run(tmp_path / "eval", tmp_path / "t.log"), "resume-2to1": Run(tmp_path / "r", tmp_path)}
     assert footprint.release(runs, {"step-1dev-fp32", "2dev-fp64"}, steps) == ["eval", "resume-2to1"]
@@ -364,7 +369,7 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     assert footprint.release(runs, {"1dev-fp64"}, steps) == ["2dev-fp64", "step-1dev-fp32"]
     assert kept() == ["1dev-fp64", "step5.ckpt"]
     assert footprint.release(runs, set(), steps) == ["1dev-fp64"] and kept() == []
-    assert footprint.written() == (9, 5 * one_file + 40) and footprint.peak == 5 * one_file + 40
+    assert footprint.written() == (13, 5 * one_file + 80) and footprint.peak == 5 * one_file + 80
     assert len(list(tmp_path.rglob("metrics.csv"))) == 6
 
 
@@ -696,3 +701,45 @@ def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
 
     runs = Waves(Path("."), [Wave(("a", "b", "c"), lambda runs: {n: job(n) for n in "abc"})])
     assert [runs[n] for n in "abc"] == ["a", "b", "c"] and most[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("full", "best", "files", "with_optimizer"),
+    [
+        ([], True, ["best.ckpt", "last.ckpt"], []),
+        (["last.ckpt"], False, ["last.ckpt"], ["last.ckpt"]),
+        (["best*.ckpt"], True, ["best.ckpt", "last.ckpt"], ["best.ckpt"]),
+    ],
+)
+def test_a_slim_run_keeps_the_optimizer_only_where_a_run_resumes_and_no_unread_best(
+    tmp_path, full, best, files, with_optimizer
+):
+    """slim.slim on a fit with a best-and-last ModelCheckpoint: the optimizer's state only in the files matching
+    `full` (every checkpoint holds the weights), and no best checkpoint with `best` False (mutations: ignoring `full`,
+    or keeping top-k, fail here)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ddpkit.testing.slim import slim
+
+    class Slimmed(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            slim(trainer, full, best)
+
+    class Logged(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            loss = super().validation_step(batch, batch_idx)["x"]
+            self.log("val_loss", loss)
+
+    saver = ModelCheckpoint(tmp_path, filename="best", monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, Slimmed()],
+    )  # fmt: skip
+    trainer.fit(Logged())
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == files
+    for name in files:
+        checkpoint = torch.load(tmp_path / name, weights_only=False)
+        assert ("optimizer_states" in checkpoint) == (name in with_optimizer), name
+        assert checkpoint["state_dict"].keys() == Logged().state_dict().keys()

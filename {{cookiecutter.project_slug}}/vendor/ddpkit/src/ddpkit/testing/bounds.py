@@ -23,6 +23,7 @@ from ..parity import (
     scalar_diffs,
     verdict_report,
 )
+from .parity_probe import NO_GRADIENT_FILE
 from .runs import Run, Waves, reference_run
 
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
@@ -36,12 +37,6 @@ BOUNDS = {
     ("gpu", "64-true"): 1e-12,
     ("gpu", "32-true"): 1e-4,
 }
-
-
-# A gradient element whose largest |value| over the run is at most this fraction of the model's largest got no
-# gradient: rounding only. Float64, families.GPT2 (seed 0): the key biases' peaks 3e-21 to 4e-20 of the largest, the
-# smallest real ones (a query bias) 8e-6; 1e-12 is 1e6 from either (docs/measurements.md, "No gradient").
-NO_GRADIENT = 1e-12
 
 
 @dataclass(frozen=True)
@@ -101,16 +96,12 @@ def judge(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], bound: B
 def no_gradient(cpu_runs: Waves) -> dict[str, torch.Tensor]:
     """Per parameter, its elements that got no gradient (their peak |gradient| at most NO_GRADIENT of the model's
     largest) in both the 1- and the 2-device float64 runs (parity_probe.GradientPeaks)."""
-    peaks = []
+    masks = []
     for name in ("1dev-fp64", "2dev-fp64"):
-        path = cpu_runs[name].root / "probe" / "gradient-peaks.pt"
-        peaks.append(torch.load(path, weights_only=True) if path.is_file() else {})
-    one, two = peaks
-    tops = [max((t.max().item() for t in p.values() if t.numel()), default=0.0) for p in peaks]
-    return {
-        name: (one[name] <= NO_GRADIENT * tops[0]) & (two[name] <= NO_GRADIENT * tops[1])
-        for name in one.keys() & two.keys()
-    }
+        path = cpu_runs[name].root / "probe" / NO_GRADIENT_FILE
+        masks.append(torch.load(path, weights_only=True) if path.is_file() else {})
+    one, two = masks
+    return {name: one[name] & two[name] for name in one.keys() & two.keys()}
 
 
 def rounding(cpu_runs: Waves, steps: dict, masks: Mapping[str, torch.Tensor] | None = None) -> Rounding:

@@ -44,7 +44,7 @@ from .bounds import (
 )
 from .check_data import same_samples
 from .plugin import GPU_PRECISIONS
-from .runs import Run, Waves, as_cuda, comparable, global_step, reads, reference_run
+from .runs import EPOCH_CHECKPOINTS, Run, Waves, as_cuda, comparable, global_step, reads, reference_run
 
 
 @reads("1dev-fp64", "2dev-fp64", "{reference}")
@@ -84,11 +84,6 @@ def test_logged_training_values_are_global(cpu_runs, steps):
             assert abs(a[key] - b[key]) <= METRIC_STATE_ROUNDING * max(abs(a[key]), 1e-12), (key, a["step"])
 
 
-def epoch_ckpt(epoch: int, steps_per_epoch: int) -> str:
-    """The name Lightning's ModelCheckpoint gives the checkpoint at the end of `epoch`."""
-    return f"epoch={epoch}-step={(epoch + 1) * steps_per_epoch}.ckpt"
-
-
 def files_written(run: Run) -> list[str]:
     """Every file a run wrote outside the probe's, with the run-specific parts of the names cut
     (TensorBoard's time, host and process; the best checkpoint's epoch and score)."""
@@ -97,7 +92,7 @@ def files_written(run: Run) -> list[str]:
     return sorted(n for n in cut if not n.startswith("probe"))
 
 
-@reads("1dev-fp64", "2dev-fp64")
+@reads("1dev-fp64", "2dev-fp64", EPOCH_CHECKPOINTS)
 def test_2_devices_write_one_set_of_files(cpu_runs, global_batch):
     """2 ranks write exactly one log dir, one config.yaml and one set of checkpoints, like 1 device."""
     one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
@@ -105,7 +100,8 @@ def test_2_devices_write_one_set_of_files(cpu_runs, global_batch):
     assert written == files_written(one)
     checkpoints = [n for n in written if "/checkpoints/" in n]
     names = sorted(n.rsplit("/", 1)[1] for n in checkpoints if "best-" not in n)
-    epochs = [epoch_ckpt(e, global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]) for e in (0, 1)]
+    n = global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]  # Lightning's steps per epoch
+    epochs = [f"epoch={e}-step={(e + 1) * n}.ckpt" for e in (0, 1)]  # its default names
     assert names == [*epochs, "last.ckpt"] and len(checkpoints) - len(names) <= 1  # and the best, if monitored
     assert set(written) - set(checkpoints) == {
         f"lightning_logs/version_0/{n}"

@@ -6,7 +6,7 @@ and the most bytes on disk at once, for the session's summary.
 import shutil
 from pathlib import Path
 
-from .runs import ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, cuda_copy, global_step
+from .runs import EPOCH_CHECKPOINTS, ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, cuda_copy, global_step
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
 # the third wave from both first-wave float64 runs' checkpoints (building it copies the 1-device run and re-tags the
@@ -70,9 +70,10 @@ class Footprint:
 
 
 def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
-    """The files of a first-wave run that only other runs start from, once none of those is read any more: the
-    1-device run's states at the one-step points (all but the resume's, which the third wave starts from), and the
-    2-device run's resume state re-tagged for cuda (runs.as_cuda)."""
+    """The files of a first-wave run that only other runs start from, or one check reads, once none of those is read any
+    more: the 1-device run's states at the one-step points (all but the resume's, which the third wave starts from),
+    the 2-device run's resume state re-tagged for cuda (runs.as_cuda), and both runs' per-epoch checkpoints (read for
+    their names: EPOCH_CHECKPOINTS)."""
     found = []
     one, two = runs.done.get("1dev-fp64"), runs.done.get("2dev-fp64")
     if one and not kept & {*ONE_STEP, *ONE_STEP_NUDGED}:
@@ -81,6 +82,8 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
         found += [one.mid_checkpoint(step) for step in sorted(points)]
     if two and "resume-2to1" not in kept:
         found.append(cuda_copy(two, steps))
+    if EPOCH_CHECKPOINTS not in kept:
+        found += [run.epoch_checkpoint(epoch, steps) for run in (one, two) if run for epoch in (0, 1)]
     return found
 
 

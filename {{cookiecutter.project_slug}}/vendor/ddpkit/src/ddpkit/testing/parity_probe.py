@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from .fingerprints import TrainSamples, dataset_fingerprint, rank_difference
+from .slim import slim
 
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
@@ -82,9 +83,12 @@ class Probe(NoDropout):
     Args:
         save_at_steps: Global steps after which to save a checkpoint to probe/step<k>.ckpt (mid-epoch
             resume points), the way ModelCheckpoint saves one with every_n_train_steps.
-        resumable: Keep the optimizer's state in every checkpoint the run writes. Off, checkpoints hold the
-            weights and the loops' state (what the checks compare and evaluation loads): an optimizer like AdamW
-            keeps two tensors per weight, so an 11M-parameter model's float64 checkpoint is 90 MB instead of 270.
+        resumable: Keep the optimizer's state in the checkpoints at `save_at_steps`, which other runs resume
+            from. Other checkpoints hold the weights and the loops' state (what the checks compare and evaluation
+            loads), but for last.ckpt with `continued`: slim.py.
+        continued: Keep the optimizer's state in last.ckpt too (a copy of the run is continued with
+            `fit --ckpt_path last`).
+        best: Keep the checkpoint callbacks' best checkpoints (off: last.ckpt alone, where no check reads a best).
         rank_weights: Save each rank's final weights to probe/fit-rank<r>.pt.
         fingerprint_data: Before fit, write each rank's fingerprints of the data module's train and val sets to
             probe/data-rank<r>.json; on several ranks, stop the run, every rank with the same error, where a rank's
@@ -95,17 +99,21 @@ class Probe(NoDropout):
         self,
         save_at_steps: list[int] | None = None,
         resumable: bool = False,
+        continued: bool = False,
+        best: bool = True,
         rank_weights: bool = False,
         fingerprint_data: bool = False,
     ) -> None:
         self.save_at_steps = set(save_at_steps or ())
-        self.resumable, self.rank_weights, self.fingerprint_data = resumable, rank_weights, fingerprint_data
+        self.full = [*(["step*.ckpt"] if resumable else []), *(["last.ckpt"] if continued else [])]
+        self.best, self.rank_weights, self.fingerprint_data = best, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
         self.eval_samples = 0
         self.samples: TrainSamples | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
+        slim(trainer, self.full, self.best)
         if self.fingerprint_data and stage == "fit":
             self.compare_data(trainer)
 
@@ -140,11 +148,6 @@ class Probe(NoDropout):
         if trainer.global_step in self.save_at_steps:
             self.save_at_steps.remove(trainer.global_step)  # once: micro-batches of one step share its number
             trainer.save_checkpoint(Path(trainer.default_root_dir) / "probe" / f"step{trainer.global_step}.ckpt")
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if not self.resumable:
-            checkpoint.pop("optimizer_states", None)
-            checkpoint.pop("lr_schedulers", None)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.eval_samples = 0
@@ -292,8 +295,9 @@ def digests(state: dict[str, Tensor]) -> dict[str, str]:
 
 class GradientPeaks(L.Callback):
     """Records the largest |gradient| each parameter element saw over the run (after the all-reduce), the same on
-    every rank; rank 0 writes them to probe/gradient-peaks.pt when fit ends. Elements whose peak is rounding (the
-    key's bias in attention, a bias before BatchNorm: their gradient is zero but for rounding) hold only rounding,
+    every rank; rank 0 writes to probe/no-gradient.pt, per parameter, which of its elements got none: a peak at most
+    NO_GRADIENT of the model's largest (a mask of bools, an eighth of the float64 peaks' size). Those elements hold
+    only rounding (the key's bias in attention, a bias before BatchNorm: their gradient is zero but for rounding),
     which an optimizer like AdamW turns into steps: the float64 checks leave them out (bounds.no_gradient)."""
 
     def __init__(self) -> None:
@@ -309,4 +313,13 @@ class GradientPeaks(L.Callback):
         if trainer.global_rank == 0 and self.peaks:
             out = Path(trainer.default_root_dir) / "probe"
             out.mkdir(parents=True, exist_ok=True)
-            torch.save({name: t.cpu() for name, t in self.peaks.items()}, out / "gradient-peaks.pt")
+            top = max((t.max().item() for t in self.peaks.values() if t.numel()), default=0.0)
+            masks = {name: (t <= NO_GRADIENT * top).cpu() for name, t in self.peaks.items()}
+            torch.save(masks, out / NO_GRADIENT_FILE)
+
+
+# A gradient element whose largest |value| over the run is at most this fraction of the model's largest got no
+# gradient: rounding only. Float64, families.GPT2 (seed 0): the key biases' peaks 3e-21 to 4e-20 of the largest, the
+# smallest real ones (a query bias) 8e-6; 1e-12 is 1e6 from either (docs/measurements.md, "No gradient").
+NO_GRADIENT = 1e-12
+NO_GRADIENT_FILE = "no-gradient.pt"

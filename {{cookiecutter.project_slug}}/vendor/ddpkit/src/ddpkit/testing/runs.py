@@ -52,6 +52,10 @@ class Run:
     def probe(self, stage: str = "fit", rank: int = 0) -> dict:
         return json.loads((self.root / "probe" / f"{stage}-rank{rank}.json").read_text())
 
+    def epoch_checkpoint(self, epoch: int, steps: dict) -> Path:
+        """The checkpoint the suite's ModelCheckpoint saved at the end of `epoch` (named by Lightning's default)."""
+        return self.checkpoint(f"epoch={epoch}-step={(epoch + 1) * global_step(steps, steps['steps_per_epoch'])}.ckpt")
+
     def mid_checkpoint(self, step: int) -> Path:
         """The checkpoint the probe saved after `step` (parity_probe.Probe's save_at_steps)."""
         return self.root / "probe" / f"step{step}.ckpt"
@@ -294,6 +298,9 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
+# Read (`reads`) by the check of the names of the first-wave float64 runs' per-epoch checkpoints, the only reader of
+# those files (waves.run_args): once it has run, footprint.py deletes them.
+EPOCH_CHECKPOINTS = "epoch-checkpoints"
 # The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`), after which Waves' gate is asked.
 GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")

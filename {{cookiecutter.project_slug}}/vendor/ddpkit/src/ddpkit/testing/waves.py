@@ -40,6 +40,7 @@ import torch
 
 from .. import presets
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
+from .footprint import remove_checkpoints
 from .helpers import main_py
 from .runs import (
     NUDGE,
@@ -82,14 +83,17 @@ def run_args(
     rank_weights: bool = False,
     saves: tuple[int, ...] = (),
     fingerprints: bool = False,
+    continued: bool = False,
 ) -> list[str]:
     """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
-    no more: its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
-    their size), unless other runs resume from it at global batch `resumed_at` (or start one-step runs from it after
-    the global batches `saves`): then they are complete, the probe saves one at each of those steps, an extra
-    checkpoint per epoch is written (only their names are checked), and each parameter element's largest gradient is
-    recorded (parity_probe.GradientPeaks). Each rank's final weights only with `rank_weights`; each rank's
-    fingerprints of its datasets, compared before training, only with `fingerprints`."""
+    no more (slim.py): its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or
+    triples their size), and it keeps no best checkpoint, unless other runs resume from it at global batch
+    `resumed_at` (or start one-step runs from it after the global batches `saves`): then the probe saves a complete
+    checkpoint at each of those steps, the best is kept, an extra weights-only checkpoint per epoch is written (only
+    their names are checked: footprint.py deletes them once checked), and which parameter elements got no gradient
+    is recorded (parity_probe.GradientPeaks). last.ckpt is complete only with `continued` (a copy of the run is
+    continued). Each rank's final weights only with `rank_weights`; each rank's fingerprints of its datasets,
+    compared before training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
@@ -100,7 +104,11 @@ def run_args(
         args.append("--trainer.callbacks.rank_weights=true")
     if fingerprints:
         args.append("--trainer.callbacks.fingerprint_data=true")
-    if resumed_at is not None:
+    if continued:
+        args.append("--trainer.callbacks.continued=true")
+    if resumed_at is None:  # nor the project's best checkpoint: only the 2 runs resumed from are read for theirs
+        args.append("--trainer.callbacks.best=false")
+    else:
         at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
         args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
@@ -173,7 +181,17 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         "1dev-fp64": run(
             "1dev-fp64",
             main_cmd(
-                *fit(steps, "cpu", 1, "64-true", csv, resumed_at=steps["one_to_two"], saves=saves, fingerprints=True)
+                *fit(
+                    steps,
+                    "cpu",
+                    1,
+                    "64-true",
+                    csv,
+                    resumed_at=steps["one_to_two"],
+                    saves=saves,
+                    fingerprints=True,
+                    continued=True,
+                )
             ),
         ),
         "2dev-fp64": run(
@@ -296,6 +314,7 @@ def cluster_args(steps: dict) -> list[str]:
         *("--trainer.log_every_n_steps", "1"),  # as the first wave's: the parity command compares their logged steps
         *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
         FLOAT64_THROUGHOUT,
+        "--trainer.callbacks+=ddpkit.testing.slim.SlimCheckpoints",  # the weights alone, but where SLURM resumes
         *parity_args(),
         "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
     ]
@@ -317,10 +336,12 @@ def sharded_job(root: Path, steps: dict) -> dict:
     sharded = two / "lightning_logs/version_0/checkpoints/last.ckpt"
     one_device = ("--trainer.devices", "1", "--trainer.strategy.data_parallel_size", "1")
     resume = ("--trainer.max_epochs", "2", "--ckpt_path", str(sharded))
+    files = sorted(p.name for p in sharded.glob("*.distcp"))
     command(main_cmd("fit", *args, *one_device, *resume), one, root / "one.log")()
     dcp_to_torch_save(one / "lightning_logs/version_0/checkpoints/last.ckpt", root / "full.pt")
     weights = torch.load(root / "full.pt", weights_only=True)["state_dict"]
-    return {"files": sorted(p.name for p in sharded.glob("*.distcp")), "weights": weights}
+    remove_checkpoints(root)  # read: what the check compares is returned
+    return {"files": files, "weights": weights}
 
 
 def link_checkpoints(source: str, destination: str) -> None:

@@ -1,0 +1,62 @@
+"""Checkpoints of the suite's runs that hold what their readers need, no more (footprint.py counts what they take).
+
+Most of the suite's checkpoints are only read for their weights; an optimizer like AdamW keeps two tensors per
+weight, which triples a checkpoint (an 11M-parameter model's float64 one is 90 MB instead of 270). A run keeps the
+optimizer's and schedulers' states only in the files another run resumes from (`full`: file-name patterns), and
+keeps no best checkpoint where no check reads one (`best=False`).
+"""
+
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.plugins.io import CheckpointIO
+
+RESUME_STATE = ("optimizer_states", "lr_schedulers")
+
+
+class SlimIO(CheckpointIO):
+    """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`."""
+
+    def __init__(self, io: CheckpointIO, full: list[str]) -> None:
+        self.io, self.full = io, full
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
+        if not any(fnmatch(Path(path).name, pattern) for pattern in self.full):
+            checkpoint = {key: value for key, value in checkpoint.items() if key not in RESUME_STATE}
+        self.io.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path) -> None:
+        self.io.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.io.teardown()
+
+
+def slim(trainer: L.Trainer, full: list[str], best: bool) -> None:
+    """Have `trainer` save RESUME_STATE only in the files matching `full`; with `best` False, its checkpoint
+    callbacks keep no top-k checkpoint (last.ckpt still)."""
+    if not isinstance(trainer.strategy.checkpoint_io, SlimIO):  # setup runs once per stage
+        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full)
+    for callback in trainer.checkpoint_callbacks if not best else ():
+        callback.save_top_k = 0
+
+
+class SlimCheckpoints(L.Callback):
+    """`slim` for a run without the suite's Probe (the cluster launchers' runs).
+
+    Args:
+        full: File-name patterns of the checkpoints that keep the optimizer's state (default: SLURM's hpc_ckpt_<n>.ckpt,
+            which the requeued job resumes from).
+        best: Keep the checkpoint callbacks' best checkpoints.
+    """
+
+    def __init__(self, full: list[str] | None = None, best: bool = False) -> None:
+        self.full, self.best = ["hpc_ckpt_*.ckpt"] if full is None else full, best
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        slim(trainer, self.full, self.best)
