@@ -332,7 +332,8 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     them) and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that
     run shares with a finished one (the evaluations' copy). Of a run still read, the one-step states go with the
     last one-step reader (the resume's state stays), the cuda-tagged copy with resume-2to1's, and the per-epoch
-    checkpoints with the check of their names (EPOCH_CHECKPOINTS). Nothing goes when a later test declares nothing. The footprint counts each file once, a hard link too, and the most bytes at once."""
+    checkpoints with the check of their names (EPOCH_CHECKPOINTS). Nothing goes when a later test declares nothing.
+    The footprint counts each file once, a hard link too, and the most bytes at once."""
     runs, footprint = Waves(tmp_path, []), Footprint()
     steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_batch": 1, "steps_per_epoch": 4}
     folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
@@ -704,19 +705,21 @@ def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("full", "best", "files", "with_optimizer"),
+    ("full", "best", "last_at_end", "files", "with_optimizer"),
     [
-        ([], True, ["best.ckpt", "last.ckpt"], []),
-        (["last.ckpt"], False, ["last.ckpt"], ["last.ckpt"]),
-        (["best*.ckpt"], True, ["best.ckpt", "last.ckpt"], ["best.ckpt"]),
+        ([], True, False, ["best.ckpt", "last.ckpt"], []),
+        (["last.ckpt"], False, True, ["last.ckpt"], ["last.ckpt"]),
+        (["best*.ckpt"], True, True, ["best.ckpt", "last.ckpt"], ["best.ckpt"]),
     ],
 )
 def test_a_slim_run_keeps_the_optimizer_only_where_a_run_resumes_and_no_unread_best(
-    tmp_path, full, best, files, with_optimizer
+    tmp_path, full, best, last_at_end, files, with_optimizer
 ):
-    """slim.slim on a fit with a best-and-last ModelCheckpoint: the optimizer's state only in the files matching
-    `full` (every checkpoint holds the weights), and no best checkpoint with `best` False (mutations: ignoring `full`,
-    or keeping top-k, fail here)."""
+    """slim.slim on a 2-epoch fit with a best-and-last ModelCheckpoint: the optimizer's state only in the files
+    matching `full` (every checkpoint holds the weights), no best checkpoint with `best` False, and with
+    `last_at_end` no last.ckpt after epoch 0, one after epoch 1 (Lightning 2.6 writes last.ckpt at an epoch's end
+    only beside a top-k save: with `best` False, once at the end anyway). Mutations: ignoring `full`, keeping top-k,
+    or writing last.ckpt at every epoch, fail here."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -725,7 +728,11 @@ def test_a_slim_run_keeps_the_optimizer_only_where_a_run_resumes_and_no_unread_b
 
     class Slimmed(L.Callback):
         def setup(self, trainer, pl_module, stage):
-            slim(trainer, full, best)
+            slim(trainer, full, best, last_at_end)
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                self.last_after_epoch_0 = (tmp_path / "last.ckpt").is_file()
 
     class Logged(BoringModel):
         def validation_step(self, batch, batch_idx):
@@ -734,10 +741,11 @@ def test_a_slim_run_keeps_the_optimizer_only_where_a_run_resumes_and_no_unread_b
 
     saver = ModelCheckpoint(tmp_path, filename="best", monitor="val_loss", save_top_k=1, save_last=True)
     trainer = L.Trainer(
-        default_root_dir=tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, Slimmed()],
+        default_root_dir=tmp_path, max_epochs=2, limit_train_batches=2, limit_val_batches=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, slimmed := Slimmed()],
     )  # fmt: skip
     trainer.fit(Logged())
+    assert slimmed.last_after_epoch_0 is not last_at_end
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == files
     for name in files:
         checkpoint = torch.load(tmp_path / name, weights_only=False)

@@ -3,8 +3,9 @@
 Over a whole training, rounding differences grow with every step (AdamW divides by the root of tiny squared gradients;
 reordering alone moved a BatchNorm CNN's float32 weights by 0.16-0.24 in 8 steps), so a bound loose enough for every
 model would pass bugs, and one tight enough to catch them fails correct models by chance. In one step rounding cannot
-compound. The first wave's 1-device float64 run saves its state (weights, buffers such as BatchNorm's statistics,
-optimizer, schedule) after global batches 1, n and n + 1 (n an epoch's); runs on 1 and on 2 devices in float32 and in
+compound. The first wave's 1-device float64 run saves its state (weights, buffers such as BatchNorm's statistics; the
+optimizer's and schedule's only where a global batch takes several optimizer steps, whose later gradients follow the
+earlier updates) after global batches 1, n and n + 1 (n an epoch's); runs on 1 and on 2 devices in float32 and in
 bf16-mixed, and one on 1 device in float64, train global batches 0 and 1 of each of 2 epochs, loading before each the
 state saved there (parity_probe.OneStep): the same samples on any device count. The float64 run's step is the exact
 one: how far the 1-device step in float32 (bf16) is from it is that step's own rounding. At global batches 1, n and

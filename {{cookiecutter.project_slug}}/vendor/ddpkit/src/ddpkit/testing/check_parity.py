@@ -127,8 +127,8 @@ def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
 @pytest.mark.parametrize(("run", "start"), [("resume-2to1", "two_to_one"), ("resume-1to2", "one_to_two")])
 @reads("{run}", "1dev-fp64", "2dev-fp64", "{reference}")
 def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, steps, run, start):
-    """2 devices' checkpoint from 3/4 into epoch 0 resumed on 1 device, and 1 device's from 1/4 into epoch 1
-    resumed on 2: each trains only the remaining steps and ends with the uninterrupted weights."""
+    """2 devices' checkpoint from 3/4 into epoch 0 resumed on 1 device, and 1 device's from 1 global batch into epoch
+    1 resumed on 2: each trains only the remaining steps and ends with the uninterrupted weights."""
     resumed, total = cpu_runs[run], 2 * steps["steps_per_epoch"]
     assert resumed.global_step() == global_step(steps, total)
     stepped = [global_step(steps, b) for b in range(steps[start] + 1, total + 1)]

@@ -84,8 +84,10 @@ class Probe(NoDropout):
         save_at_steps: Global steps after which to save a checkpoint to probe/step<k>.ckpt (mid-epoch
             resume points), the way ModelCheckpoint saves one with every_n_train_steps.
         resumable: Keep the optimizer's state in the checkpoints at `save_at_steps`, which other runs resume
-            from. Other checkpoints hold the weights and the loops' state (what the checks compare and evaluation
-            loads), but for last.ckpt with `continued`: slim.py.
+            from, but at `weights_at`. Other checkpoints hold the weights and the loops' state (what the checks
+            compare and evaluation loads), but for last.ckpt with `continued`: slim.py.
+        weights_at: Of `save_at_steps`, the steps whose checkpoint holds no optimizer state with `resumable` (the
+            one-step check's states, where it judges the gradient, not the optimizer's update).
         continued: Keep the optimizer's state in last.ckpt too (a copy of the run is continued with
             `fit --ckpt_path last`).
         best: Keep the checkpoint callbacks' best checkpoints (off: last.ckpt alone, where no check reads a best).
@@ -99,13 +101,15 @@ class Probe(NoDropout):
         self,
         save_at_steps: list[int] | None = None,
         resumable: bool = False,
+        weights_at: list[int] | None = None,
         continued: bool = False,
         best: bool = True,
         rank_weights: bool = False,
         fingerprint_data: bool = False,
     ) -> None:
         self.save_at_steps = set(save_at_steps or ())
-        self.full = [*(["step*.ckpt"] if resumable else []), *(["last.ckpt"] if continued else [])]
+        resumes = self.save_at_steps - set(weights_at or ()) if resumable else set()
+        self.full = [*(f"step{k}.ckpt" for k in sorted(resumes)), *(["last.ckpt"] if continued else [])]
         self.best, self.rank_weights, self.fingerprint_data = best, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
         self.eval_samples = 0
@@ -113,7 +117,7 @@ class Probe(NoDropout):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
-        slim(trainer, self.full, self.best)
+        slim(trainer, self.full, self.best, last_at_end=True)  # none of the checks reads an earlier last.ckpt
         if self.fingerprint_data and stage == "fit":
             self.compare_data(trainer)
 
@@ -185,9 +189,10 @@ class OneStep(NoDropout):
     The run trains `batches` global batches of each of its epochs (with no validation and no checkpoints). Before
     global batch k of the run (k = epoch x steps_per_epoch + its index in the epoch), it loads the state another run
     saved after k global batches (`states`/step<k x steps_per_batch>.ckpt: weights, buffers such as BatchNorm's
-    statistics, optimizer and schedule) into the module and the optimizers, if there is one (global batch 0 starts
-    from this run's own initialization). Lightning then trains that batch: global batch k is the same set of samples
-    on any device count (GlobalBatchSampler), so runs on 1 and on N devices take the same step from the same state.
+    statistics, and the optimizer's and schedule's states where saved: else a fresh optimizer) into the module and
+    the optimizers, if there is one (global batch 0 starts from this run's own initialization). Lightning then trains
+    that batch: global batch k is the same set of samples on any device count (GlobalBatchSampler), so runs on 1 and
+    on N devices take the same step from the same state.
     It records, per global batch, the gradients each optimizer step sees (after the all-reduce and any unscaling:
     `on_before_optimizer_step`), the buffers and untrained weights before and after the step (of every tensor, a
     digest of the state the step started from), and the scalars the module logged in it; rank 0 writes them to
@@ -231,8 +236,11 @@ class OneStep(NoDropout):
             state = torch.load(saved, map_location="cpu", weights_only=False)
             weights = {name for name, _ in pl_module.named_parameters()}
             pl_module.load_state_dict(nudged(state["state_dict"], weights, self.nudge, k))
-            for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizer_states"], strict=True):
-                optimizer.load_state_dict(optimizer_state)  # floating state cast to the parameters' dtype
+            for n, optimizer in enumerate(trainer.optimizers):
+                if "optimizer_states" in state:  # floating state cast to the parameters' dtype
+                    optimizer.load_state_dict(state["optimizer_states"][n])
+                else:  # a state saved without it (waves.run_args): every run's step starts from a fresh optimizer
+                    optimizer.state.clear()
             for config, schedule in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
                 config.scheduler.load_state_dict(schedule)
         self.current = {"before": _copy(pl_module.state_dict()), "grads": []}
@@ -260,6 +268,8 @@ class OneStep(NoDropout):
         self.current["started_from"] = digests(before)
         self.current["before"] = {name: t for name, t in before.items() if name not in trained}
         self.current["after"] = {name: t for name, t in after.items() if name not in trained}
+        if not k:  # from each run's own initialization: its start is checked (digests), its step is not judged
+            self.current["grads"] = []
         self.current = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

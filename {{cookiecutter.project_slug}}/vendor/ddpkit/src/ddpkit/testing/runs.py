@@ -62,8 +62,9 @@ class Run:
 
 
 def plan(configured: dict) -> dict:
-    """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1/4 into epoch 1 (with
-    fewer than 4 steps per epoch the resume points fall on epoch ends), counted in global batches; accumulate
+    """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1 global batch into epoch 1 (the
+    one-step check's state there, saved once; with fewer than 4 steps per epoch 2 -> 1 falls on epoch 0's end and
+    with 1, 1 -> 2 on epoch 1's), counted in global batches; accumulate
     with micro-batches of a quarter of the global batch when the data module takes a micro_batch_size that
     divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization) and
     has no BatchNorm (micro-batches would change its statistics). `steps_per_batch`: optimizer steps per global
@@ -76,7 +77,7 @@ def plan(configured: dict) -> dict:
     return {
         "steps_per_epoch": n,
         "two_to_one": max(1, 3 * n // 4),
-        "one_to_two": n + max(1, n // 4),
+        "one_to_two": n + 1,
         "micro_batch_size": micro,
         "takes_scheduler": configured.get("takes_scheduler", False),
         "shards": configured.get("shards_layers", False) and shards_on_cpu(),

@@ -2,8 +2,9 @@
 
 Most of the suite's checkpoints are only read for their weights; an optimizer like AdamW keeps two tensors per
 weight, which triples a checkpoint (an 11M-parameter model's float64 one is 90 MB instead of 270). A run keeps the
-optimizer's and schedulers' states only in the files another run resumes from (`full`: file-name patterns), and
-keeps no best checkpoint where no check reads one (`best=False`).
+optimizer's and schedulers' states only in the files another run resumes from (`full`: file-name patterns), keeps
+no best checkpoint where no check reads one (`best=False`), and can write last.ckpt only when fit ends (`last_at_end`:
+Lightning writes it at every epoch's end, and the checks read the last one).
 """
 
 from fnmatch import fnmatch
@@ -17,12 +18,15 @@ RESUME_STATE = ("optimizer_states", "lr_schedulers")
 
 
 class SlimIO(CheckpointIO):
-    """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`."""
+    """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`; with `ends`
+    (a trainer), last.ckpt only in the epoch fit ends with."""
 
-    def __init__(self, io: CheckpointIO, full: list[str]) -> None:
-        self.io, self.full = io, full
+    def __init__(self, io: CheckpointIO, full: list[str], ends: L.Trainer | None = None) -> None:
+        self.io, self.full, self.ends = io, full, ends
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
+        if self.ends is not None and Path(path).name == "last.ckpt" and not last_epoch(self.ends):
+            return
         if not any(fnmatch(Path(path).name, pattern) for pattern in self.full):
             checkpoint = {key: value for key, value in checkpoint.items() if key not in RESUME_STATE}
         self.io.save_checkpoint(checkpoint, path, storage_options)
@@ -37,17 +41,29 @@ class SlimIO(CheckpointIO):
         self.io.teardown()
 
 
-def slim(trainer: L.Trainer, full: list[str], best: bool) -> None:
+def last_epoch(trainer: L.Trainer) -> bool:
+    """Whether fit ends with this epoch (at its end, where the checkpoint callbacks save, current_epoch is still its
+    own): stopped, its last epoch, or max_steps reached; with no epoch limit, every epoch may be the last."""
+    if trainer.should_stop or trainer.max_epochs in (None, -1):
+        return True
+    steps_done = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+    return steps_done or trainer.current_epoch + 1 >= trainer.max_epochs
+
+
+def slim(trainer: L.Trainer, full: list[str], best: bool, last_at_end: bool = False) -> None:
     """Have `trainer` save RESUME_STATE only in the files matching `full`; with `best` False, its checkpoint
-    callbacks keep no top-k checkpoint (last.ckpt still)."""
+    callbacks keep no top-k checkpoint (last.ckpt still); with `last_at_end`, last.ckpt is written only when fit
+    ends."""
     if not isinstance(trainer.strategy.checkpoint_io, SlimIO):  # setup runs once per stage
-        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full)
+        ends = trainer if last_at_end else None
+        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full, ends)
     for callback in trainer.checkpoint_callbacks if not best else ():
         callback.save_top_k = 0
 
 
 class SlimCheckpoints(L.Callback):
-    """`slim` for a run without the suite's Probe (the cluster launchers' runs).
+    """`slim` for a run without the suite's Probe (the cluster launchers' runs; last.ckpt at every epoch's end, which
+    the SLURM check waits for).
 
     Args:
         full: File-name patterns of the checkpoints that keep the optimizer's state (default: SLURM's hpc_ckpt_<n>.ckpt,

@@ -111,6 +111,12 @@ def run_args(
     else:
         at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
+        # The one-step check's states need no optimizer state where one step is one optimizer step: the check judges
+        # the gradient it sees. With several (steps_per_batch, a module optimizing itself), a later one's gradient
+        # follows the earlier one's update, from the optimizer's state.
+        if steps["steps_per_batch"] == 1 and not steps["manual_optimization"]:
+            light = ",".join(str(global_step(steps, k)) for k in sorted(set(saves) - {resumed_at}))
+            args.append(f"--trainer.callbacks.weights_at=[{light}]")
         args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
         args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
         args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
@@ -175,7 +181,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
     forked = 2
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
-    # The runs the third wave resumes (1 device from 1/4 into epoch 1, 2 devices from 3/4 into epoch 0).
+    # The runs the third wave resumes (1 device from 1 global batch into epoch 1, 2 devices from 3/4 into epoch 0).
     saves = tuple(steps["step_points"])  # the one-step runs' states
     first = {
         "1dev-fp64": run(
