@@ -22,7 +22,7 @@ from ddpkit.testing.configured import switch_off
 from ddpkit.testing.parity_probe import NO_GRADIENT as NO_GRADIENT_OF_TOP
 from ddpkit.testing.parity_probe import NO_GRADIENT_FILE as MASKS
 from ddpkit.testing.parity_probe import digests, nudged
-from ddpkit.testing.footprint import Footprint, remove_checkpoints
+from ddpkit.testing.footprint import Footprint, remove_checkpoints, stored_bytes
 from ddpkit.testing.runs import EPOCH_CHECKPOINTS, Run, Wave, Waves, command, evaluation_runs, failed, plan, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -358,6 +358,7 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
         return sorted(p.name if named(p) else p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt"))
 
     epochs = ["epoch=0-step=4.ckpt"] * 2 + ["epoch=1-step=8.ckpt"] * 2
+    assert stored_bytes({"w": (tied := torch.zeros(4, dtype=torch.float64)), "out.w": tied, "b": torch.zeros(2)}) == 40
     assert footprint.release(runs, None, steps) == [] and len(kept()) == 14
     later = {"step-1dev-fp32", "test-1dev", "resume-2to1", EPOCH_CHECKPOINTS}
     assert footprint.release(runs, later, steps) == ["slurm", "torchrun-fp64"]
@@ -751,3 +752,25 @@ def test_a_slim_run_keeps_the_optimizer_only_where_a_run_resumes_and_no_unread_b
         checkpoint = torch.load(tmp_path / name, weights_only=False)
         assert ("optimizer_states" in checkpoint) == (name in with_optimizer), name
         assert checkpoint["state_dict"].keys() == Logged().state_dict().keys()
+
+
+def test_a_tied_weights_gradient_is_recorded_once_under_each_name():
+    """OneStep's record holds a tied weight's gradient under each of its names as one tensor, which torch.save
+    writes once (mutation: a copy per name doubles GPT-2's embedding in every one-step record)."""
+    import io
+
+    from ddpkit.testing.parity_probe import OneStep
+
+    embed, head = torch.nn.Embedding(5000, 8), torch.nn.Linear(8, 5000, bias=False)
+    head.weight = embed.weight
+    module = torch.nn.ModuleDict({"embed": embed, "head": head})
+    head(embed(torch.tensor([1, 2]))).sum().backward()
+    probe = OneStep()
+    probe.current = {"grads": []}
+    probe.on_before_optimizer_step(None, module, None)
+    (grads,) = probe.current["grads"]
+    assert grads.keys() == {"embed.weight", "head.weight"} and grads["embed.weight"] is grads["head.weight"]
+    assert torch.equal(grads["head.weight"], embed.weight.grad)
+    saved = io.BytesIO()
+    torch.save(grads, saved)
+    assert saved.getbuffer().nbytes < 2 * embed.weight.nbytes

@@ -6,6 +6,8 @@ and the most bytes on disk at once, for the session's summary.
 import shutil
 from pathlib import Path
 
+import torch
+
 from .runs import EPOCH_CHECKPOINTS, ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, cuda_copy, global_step
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
@@ -38,7 +40,7 @@ class Footprint:
         self.files |= now
         self.peak = max(self.peak, sum(now.values()))
         if "1dev-fp64" in runs.done and not self.model_bytes and runs.done["1dev-fp64"].checkpoint().is_file():
-            self.model_bytes = sum(t.nbytes for t in runs.done["1dev-fp64"].weights().values())
+            self.model_bytes = stored_bytes(runs.done["1dev-fp64"].weights())
 
     def written(self) -> tuple[int, int]:
         return len(self.files), sum(self.files.values())
@@ -67,6 +69,13 @@ class Footprint:
                 file.unlink(missing_ok=True)
             self.freed |= set(freed)
         return freed
+
+
+def stored_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """The bytes of the tensors' storages, each once: a tied weight (GPT-2's embedding and output layer) is one
+    storage under two names, saved once in a checkpoint."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights.values()}
+    return sum(storages.values())
 
 
 def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:

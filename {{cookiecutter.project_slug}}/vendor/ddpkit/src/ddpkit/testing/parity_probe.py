@@ -249,7 +249,11 @@ class OneStep(NoDropout):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         if self.current is not None:
             named = pl_module.named_parameters(remove_duplicate=False)  # a tied weight under each of its names
-            grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+            copies: dict[int, Tensor] = {}  # one copy of a tied weight's gradient, saved once (GPT-2 small's: 31%)
+            grads = {}
+            for n, p in named:
+                if p.grad is not None:
+                    grads[n] = copies[id(p)] if id(p) in copies else copies.setdefault(id(p), p.grad.detach().clone())
             self.current["grads"].append(grads)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
