@@ -13,6 +13,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -110,7 +111,7 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
       while `unused_ok` is False (the configured DDP does not look for unused parameters; None: not DDP): then
       DDP's runs would stop at their first step, and the line says which parameters and the setting.
     """
-    ends = []
+    ends, attached = [], getattr(data, "trainer", None)
     for seed in (0, 1):
         seed_streams(0)
         trained = copy.deepcopy(model)
@@ -118,7 +119,13 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
         with tempfile.TemporaryDirectory() as root:
             trainer = probe_trainer(root, step, max_epochs=1, limit_train_batches=1)
             trainer.fit(trained, datamodule=data)
-        ends.append((trainer.global_step, trained.state_dict(), step))
+        # What the step saw, without the callback: Lightning gives each callback the module's `log`, and so the
+        # module and its trainer with the optimizer's state. Fit attached its trainer to the data module too, which
+        # the next probes deep-copy: put back. The fit's objects are then left to the collector (probe_trainer).
+        seen = SimpleNamespace(batch=step.batch, unused=step.unused, trainable=step.trainable)
+        ends.append((trainer.global_step, trained.state_dict(), seen))
+        data.trainer = attached
+        del trainer, trained, step
     (steps, first, one), (_, second, other) = ends
     changed = [k for k in first if not torch.equal(first[k], second[k])]
     random_step = ""
