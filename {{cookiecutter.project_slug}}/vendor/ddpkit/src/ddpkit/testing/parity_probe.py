@@ -253,7 +253,9 @@ class OneStep(NoDropout):
             grads = {}
             for n, p in named:
                 if p.grad is not None:
-                    grads[n] = copies[id(p)] if id(p) in copies else copies.setdefault(id(p), p.grad.detach().clone())
+                    if id(p) not in copies:
+                        copies[id(p)] = p.grad.detach().clone()
+                    grads[n] = copies[id(p)]
             self.current["grads"].append(grads)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
