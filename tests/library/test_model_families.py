@@ -33,7 +33,7 @@ from ddpkit.testing import bounds, check_data, check_onestep, check_parity
 from ddpkit.testing import waves as suite_waves
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import set_project
-from ddpkit.testing.runs import ONE_STEP, Waves, plan, reference_run
+from ddpkit.testing.runs import ONE_STEP, ONE_STEP_WAVES, Waves, plan, reference_run
 from ddpkit.testing.waves import shared_runs
 
 HERE = Path(__file__).resolve().parent
@@ -127,8 +127,9 @@ def suites(tmp_path_factory) -> Iterator[dict[str, Suite]]:
             suites[name] = Suite(runs, steps, configured, BUILDING.args)
         with ThreadPoolExecutor(len(suites)) as pool:  # every first wave at once (each mostly start-up)
             list(pool.map(lambda name: started(suites[name], "1dev-fp64"), suites))
-        with ThreadPoolExecutor(4) as pool:  # 5 runs each, 2 of them of 2 processes
-            list(pool.map(lambda name: started(suites[name], ONE_STEP[0]), ONE_STEP_MODELS))
+        for wave in ONE_STEP_WAVES:  # 3 runs, then 2, each 1 of them of 2 processes
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda name, wave=wave: started(suites[name], wave[0]), ONE_STEP_MODELS))
         yield suites
 
 

@@ -23,7 +23,8 @@ from ddpkit.testing.parity_probe import NO_GRADIENT as NO_GRADIENT_OF_TOP
 from ddpkit.testing.parity_probe import NO_GRADIENT_FILE as MASKS
 from ddpkit.testing.parity_probe import digests, nudged
 from ddpkit.testing.footprint import Footprint, remove_checkpoints, stored_bytes
-from ddpkit.testing.runs import EPOCH_CHECKPOINTS, Run, Wave, Waves, command, evaluation_runs, failed, plan, runs_read
+from ddpkit.testing.runs import MID_CHECKPOINT, STEP_RECORDS, Run, Wave, Waves, command, evaluation_runs, failed
+from ddpkit.testing.runs import plan, runs_read
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -329,15 +330,17 @@ def test_remove_checkpoints_counts_each_file_once_and_keeps_the_logs(tmp_path):
 def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts_from_them(tmp_path):
     """Footprint.release after a test, given what the later tests read: a run no one reads loses its checkpoints (its
     logs stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from
-    them) and both first-wave runs while a third-wave run has not run (it starts from them), as does the folder that
-    run shares with a finished one (the evaluations' copy). Of a run still read, the one-step states go with the
-    last one-step reader (the resume's state stays), the cuda-tagged copy with resume-2to1's, and the per-epoch
-    checkpoints with the check of their names (EPOCH_CHECKPOINTS). Nothing goes when a later test declares nothing.
-    The footprint counts each file once, a hard link too, and the most bytes at once."""
+    them) and both first-wave runs while a run of FROM_FIRST has not run (it starts from them), as does the folder that
+    run shares with a finished one (the evaluations' copy). Of a run still read: the one-step states go with the last
+    one-step reader, the resume's state (one of them) once resume-1to2 has run too; the 2-device resume state once
+    resume-2to1 and its checks (MID_CHECKPOINT) are done; a precision's one-step records with its check (STEP_RECORDS),
+    the float64 run's with both. Nothing goes when a later test declares nothing. The footprint counts each file once, a
+    hard link too, and the most bytes at once."""
     runs, footprint = Waves(tmp_path, []), Footprint()
     steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_batch": 1, "steps_per_epoch": 4}
+    steps["manual_optimization"] = True  # no state kept as weights alone (the next test)
     folders = {"1dev-fp64": "1dev-fp64", "2dev-fp64": "2dev-fp64", "torchrun-fp64": "torchrun-fp64",
-               "step-1dev-fp32": "step-1dev-fp32", "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
+               "validate-1dev": "eval", "slurm-requeue": "slurm"}  # fmt: skip
     for name, folder in folders.items():
         checkpoints = tmp_path / folder / "lightning_logs" / "version_0" / "checkpoints"
         checkpoints.mkdir(parents=True, exist_ok=True)
@@ -347,32 +350,80 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
         runs.done[name] = Run(tmp_path / folder, tmp_path / f"{name}.log")
     os.link(tmp_path / "1dev-fp64/lightning_logs/version_0/checkpoints/last.ckpt", tmp_path / "eval/last.ckpt")
     one_file = (tmp_path / "eval/last.ckpt").stat().st_size
+    for step in ("step-1dev-fp32", "step-1dev-bf16", "step-1dev-fp64"):  # a one-step run: its record and its logs
+        (tmp_path / step / "probe").mkdir(parents=True)
+        (tmp_path / step / "probe" / "onestep.pt").write_bytes(b"x" * 10)
+        (tmp_path / step / "probe" / "onestep-rank0.json").write_text("{}")
+        runs.done[step] = Run(tmp_path / step, tmp_path / f"{step}.log")
     for state in ("1dev-fp64/probe/step1.ckpt", "1dev-fp64/probe/step4.ckpt", "1dev-fp64/probe/step5.ckpt",
-                  "2dev-fp64/probe/step3-cuda.ckpt", *(f"{run}-fp64/lightning_logs/version_0/checkpoints/{epoch}.ckpt"
-                  for run in ("1dev", "2dev") for epoch in ("epoch=0-step=4", "epoch=1-step=8"))):  # fmt: skip
+                  "2dev-fp64/probe/step3.ckpt"):  # fmt: skip
         (tmp_path / state).parent.mkdir(exist_ok=True)
         (tmp_path / state).write_bytes(b"x" * 10)
 
-    def kept() -> list[str]:  # the checkpoints left, by folder (a run's last.ckpt) or name (a state, an epoch's)
-        named = lambda p: p.parent.name == "probe" or p.name.startswith("epoch=")  # noqa: E731
+    def kept() -> list[str]:  # the checkpoints left, by folder (a run's last.ckpt) or name (a state)
+        named = lambda p: p.parent.name == "probe"  # noqa: E731
         return sorted(p.name if named(p) else p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.ckpt"))
 
-    epochs = ["epoch=0-step=4.ckpt"] * 2 + ["epoch=1-step=8.ckpt"] * 2
+    def records() -> list[str]:
+        return sorted(p.parent.parent.name for p in tmp_path.rglob("onestep.pt"))
+
+    states = ["step1.ckpt", "step3.ckpt", "step4.ckpt", "step5.ckpt"]
     assert stored_bytes({"w": (tied := torch.zeros(4, dtype=torch.float64)), "out.w": tied, "b": torch.zeros(2)}) == 40
-    assert footprint.release(runs, None, steps) == [] and len(kept()) == 14
-    later = {"step-1dev-fp32", "test-1dev", "resume-2to1", EPOCH_CHECKPOINTS}
-    assert footprint.release(runs, later, steps) == ["slurm", "torchrun-fp64"]
-    assert footprint.peak == 5 * one_file + 80 and footprint.model_bytes == 32  # the link counted once
-    assert kept() == ["1dev-fp64", "2dev-fp64", *epochs, "eval", "step-1dev-fp32", "step1.ckpt", "step3-cuda.ckpt",
-                      "step4.ckpt", "step5.ckpt"]  # fmt: skip
+    assert footprint.release(runs, None, steps) == [] and len(kept()) == 9 and len(records()) == 3
+    step_checks = {STEP_RECORDS.format(precision=p) for p in ("fp32", "bf16")}
+    later = {"step-1dev-fp32", "step-1dev-bf16", "step-1dev-fp64", "test-1dev", "resume-2to1"}
+    assert footprint.release(runs, later | step_checks, steps) == ["slurm", "torchrun-fp64"]
+    assert footprint.peak == 4 * one_file + 70 and footprint.model_bytes == 32  # the link counted once
+    assert kept() == ["1dev-fp64", "2dev-fp64", "eval", *states]
+    assert records() == ["step-1dev-bf16", "step-1dev-fp32", "step-1dev-fp64"]
+    later |= {STEP_RECORDS.format(precision="bf16")}  # float32's check has run
+    assert footprint.release(runs, later, steps) == [] and records() == ["step-1dev-bf16", "step-1dev-fp64"]
+    assert kept() == ["1dev-fp64", "2dev-fp64", "eval", *states]
     runs.done |= {"test-1dev": Run(tmp_path / "eval", tmp_path / "t.log"), "resume-2to1": Run(tmp_path / "r", tmp_path)}
-    assert footprint.release(runs, {"step-1dev-fp32", "2dev-fp64"}, steps) == ["eval", "resume-2to1"]
-    assert kept() == ["1dev-fp64", "2dev-fp64", "step-1dev-fp32", "step1.ckpt", "step4.ckpt", "step5.ckpt"]
-    assert footprint.release(runs, {"1dev-fp64"}, steps) == ["2dev-fp64", "step-1dev-fp32"]
+    runs.done["resume-1to2"] = Run(tmp_path / "r12", tmp_path)
+    later = {"step-1dev-fp32", "2dev-fp64", MID_CHECKPOINT, "resume-1to2"}
+    freed = ["eval", "resume-2to1", "step-1dev-bf16", "step-1dev-fp64"]
+    assert footprint.release(runs, later, steps) == freed
+    assert kept() == ["1dev-fp64", "2dev-fp64", *states] and records() == []
+    assert footprint.release(runs, {"1dev-fp64", "resume-1to2"}, steps) == ["2dev-fp64", "step-1dev-fp32"]
     assert kept() == ["1dev-fp64", "step5.ckpt"]
+    assert footprint.release(runs, {"1dev-fp64"}, steps) == ["resume-1to2"] and kept() == ["1dev-fp64"]
     assert footprint.release(runs, set(), steps) == ["1dev-fp64"] and kept() == []
-    assert footprint.written() == (13, 5 * one_file + 80) and footprint.peak == 5 * one_file + 80
-    assert len(list(tmp_path.rglob("metrics.csv"))) == 6
+    assert footprint.written() == (11, 4 * one_file + 70) and footprint.peak == 4 * one_file + 70
+    assert len(list(tmp_path.rglob("metrics.csv"))) == 5 and len(list(tmp_path.rglob("onestep-rank0.json"))) == 3
+
+
+@pytest.mark.parametrize("steps_per_batch", [1, 2])
+def test_a_complete_state_keeps_its_weights_alone_once_no_run_resumes_from_it(tmp_path, steps_per_batch):
+    """Footprint.release saves the 1-device float64 run's last.ckpt again without the optimizer's state once
+    `continue` has run (its weights are still compared), a copy's hard link keeping the complete file; and its resume
+    state once resume-1to2 has, while it is still a one-step state, unless a global batch takes several optimizer
+    steps (then the one-step runs load the optimizer's state). Mutations: stripping before `continue` or resume-1to2
+    has run, or with 2 steps a batch, fail here."""
+    runs, footprint = Waves(tmp_path, []), Footprint()
+    steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_epoch": 4}
+    steps |= {"steps_per_batch": steps_per_batch, "manual_optimization": False}
+    one = runs.done["1dev-fp64"] = Run(tmp_path / "1dev-fp64", tmp_path / "1dev.log")
+    weights = {"w": torch.arange(4, dtype=torch.float64)}
+    complete = {"state_dict": weights, "optimizer_states": [{"m": torch.ones(4)}], "lr_schedulers": [{"n": 1}]}
+    resume = one.mid_checkpoint(5 * steps_per_batch)
+    for path in (one.checkpoint(), resume):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(complete, path)
+    os.link(one.checkpoint(), tmp_path / "copy.ckpt")
+
+    def keys() -> list[list[str]]:
+        return [sorted(torch.load(p, weights_only=False)) for p in (one.checkpoint(), resume, tmp_path / "copy.ckpt")]
+
+    full, light = ["lr_schedulers", "optimizer_states", "state_dict"], ["state_dict"]
+    footprint.release(runs, {"1dev-fp64", "continue", "resume-1to2", "step-1dev-fp32"}, steps)
+    assert keys() == [full, full, full]
+    footprint.release(runs, {"1dev-fp64", "resume-1to2", "step-1dev-fp32"}, steps)
+    assert keys() == [light, full, full]
+    footprint.release(runs, {"1dev-fp64", "step-1dev-fp32"}, steps)
+    assert keys() == [light, light if steps_per_batch == 1 else full, full]
+    assert torch.load(one.checkpoint())["state_dict"]["w"].tolist() == [0, 1, 2, 3]
+    assert not list(tmp_path.rglob("*.part"))
 
 
 def test_a_failed_run_fails_only_the_tests_that_read_it():
@@ -752,6 +803,38 @@ def test_a_slim_run_keeps_the_optimizer_only_where_a_run_resumes_and_no_unread_b
         checkpoint = torch.load(tmp_path / name, weights_only=False)
         assert ("optimizer_states" in checkpoint) == (name in with_optimizer), name
         assert checkpoint["state_dict"].keys() == Logged().state_dict().keys()
+
+
+def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone(tmp_path):
+    """SlimIO writes a new file and renames it over the old, so that a hard link to the old (the continued copy's
+    last.ckpt, waves.py) keeps its bytes, whatever the CheckpointIO it wraps does (here one that writes in place;
+    mutation: SlimIO writing to the path itself); it tags every tensor of a file matching `cuda` as stored on
+    cuda:0, no other file's (mutation: ignoring `cuda`), and writes a file matching `names` with its epoch and step
+    alone (mutation: ignoring `names`)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from ddpkit.testing.slim import NAME_ONLY, SlimIO
+
+    class InPlace(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            torch.save(checkpoint, path)
+
+    io = SlimIO(InPlace(), full=["step*.ckpt"], cuda=["step3.ckpt"], names=["epoch=*.ckpt"])
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
+    os.link(tmp_path / "last.ckpt", tmp_path / "copy.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "last.ckpt")
+    assert torch.load(tmp_path / "copy.ckpt")["state_dict"]["w"].tolist() == [1, 1]
+    assert torch.load(tmp_path / "last.ckpt")["state_dict"]["w"].tolist() == [0, 0]
+    locations = {"step3.ckpt": [], "step4.ckpt": []}
+    for name, seen in locations.items():
+        state = {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [{"m": torch.ones(1)}]}
+        io.save_checkpoint(state, tmp_path / name)
+        torch.load(tmp_path / name, map_location=lambda storage, at, seen=seen: seen.append(at) or storage)
+    assert locations == {"step3.ckpt": ["cuda:0"] * 2, "step4.ckpt": ["cpu"] * 2}
+    io.save_checkpoint({"epoch": 1, "global_step": 8, "state_dict": {"w": torch.ones(2)}}, tmp_path / "epoch=1.ckpt")
+    assert torch.load(tmp_path / "epoch=1.ckpt") == {"epoch": 1, "global_step": 8, NAME_ONLY: 1}
+    files = ["copy.ckpt", "epoch=1.ckpt", "last.ckpt", "step3.ckpt", "step4.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
 
 
 def test_a_tied_weights_gradient_is_recorded_once_under_each_name():

@@ -48,7 +48,7 @@ import torch
 
 from .bounds import no_gradient
 from .parity_probe import digests
-from .runs import NUDGE, STEP_PRECISIONS, Run, Waves, comparable, reads
+from .runs import NUDGE, STEP_PRECISIONS, STEP_RECORDS, Run, Waves, comparable, reads
 
 # 2 devices' difference over the step's own rounding, worst tensor of any point: gradients at most 2.12 x (GPT-2,
 # small BatchNorm CNN, ResNet-18, TinyBert; seeds 0-4, float32 and bf16), 5.13 x for a MobileNetV3-small's
@@ -216,6 +216,7 @@ def look(cpu_runs: Waves, steps: dict, precision: str, nudged: bool = False) -> 
 @reads(
     *("1dev-fp64", "2dev-fp64", "step-1dev-{precision}", "step-2dev-{precision}", "step-1dev-fp64"),
     *("step-1dev-{precision}-nudged", "step-2dev-{precision}-nudged", "step-1dev-fp64-nudged"),
+    STEP_RECORDS,
 )
 def test_one_step_from_the_same_state_matches_1_vs_2_devices(cpu_runs, steps, precision):
     """From the same states (global batches 0, 1, n and n + 1), one step on 2 devices gives 1 device's all-reduced

@@ -44,7 +44,7 @@ from .bounds import (
 )
 from .check_data import same_samples
 from .plugin import GPU_PRECISIONS
-from .runs import EPOCH_CHECKPOINTS, Run, Waves, as_cuda, comparable, global_step, reads, reference_run
+from .runs import MID_CHECKPOINT, Run, Waves, comparable, global_step, reads, reference_run
 
 
 @reads("1dev-fp64", "2dev-fp64", "{reference}")
@@ -92,7 +92,7 @@ def files_written(run: Run) -> list[str]:
     return sorted(n for n in cut if not n.startswith("probe"))
 
 
-@reads("1dev-fp64", "2dev-fp64", EPOCH_CHECKPOINTS)
+@reads("1dev-fp64", "2dev-fp64")
 def test_2_devices_write_one_set_of_files(cpu_runs, global_batch):
     """2 ranks write exactly one log dir, one config.yaml and one set of checkpoints, like 1 device."""
     one, two = cpu_runs["1dev-fp64"], cpu_runs["2dev-fp64"]
@@ -112,7 +112,7 @@ def test_2_devices_write_one_set_of_files(cpu_runs, global_batch):
     assert events.name.split(".")[-2] == str(two.probe(rank=0)["pid"])
 
 
-@reads("2dev-fp64")
+@reads("2dev-fp64", MID_CHECKPOINT)
 def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
     """The checkpoint 3/4 into epoch 0 holds the train loader's position: epoch 0, that many global batches."""
     if steps["steps_per_epoch"] < 4:
@@ -137,13 +137,13 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
 
 
-@reads("resume-2to1", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("resume-2to1", "1dev-fp64", "2dev-fp64", "{reference}", MID_CHECKPOINT)
 def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     """A checkpoint whose tensors are tagged cuda:0 (as saved on a GPU) resumes on CPU (resume-2to1 started from
     one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
     resumed = cpu_runs["resume-2to1"]
     locations = []
-    path = as_cuda(cpu_runs["2dev-fp64"], steps)
+    path = cpu_runs["2dev-fp64"].mid_checkpoint(global_step(steps, steps["two_to_one"]))
     torch.load(path, map_location=lambda s, loc: locations.append(loc) or s, weights_only=False)  # hyperparameters too
     assert locations and set(locations) == {"cuda:0"}
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])

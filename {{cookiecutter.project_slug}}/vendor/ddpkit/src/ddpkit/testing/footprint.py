@@ -1,21 +1,33 @@
 """The suite's checkpoints on disk (the plugin's): a run's are deleted once no test still to run reads it, nor a run
-that starts from them (`Footprint.release`, after each test), the rest at the end of the session; what the runs wrote
-and the most bytes on disk at once, for the session's summary.
+that starts from them (`Footprint.release`, after each test), the rest at the end of the session, and a complete
+state that no run resumes from any more keeps its weights alone; what the runs wrote and the most bytes on disk at
+once, for the session's summary.
 """
 
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from .runs import EPOCH_CHECKPOINTS, ONE_STEP, ONE_STEP_NUDGED, THIRD_WAVE, Waves, cuda_copy, global_step
+from .runs import (
+    FROM_FIRST,
+    MID_CHECKPOINT,
+    ONE_STEP,
+    ONE_STEP_NUDGED,
+    STEP_PRECISIONS,
+    STEP_RECORDS,
+    Waves,
+    global_step,
+)
+from .slim import RESUME_STATE
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
-# the third wave from both first-wave float64 runs' checkpoints (building it copies the 1-device run and re-tags the
-# 2-device run's), each kept until the run has run.
+# FROM_FIRST from both first-wave float64 runs' checkpoints (building it links the 1-device run's into copies of
+# its folder), each kept until the run has run.
 STARTS_FROM = {
     **dict.fromkeys((*ONE_STEP, *ONE_STEP_NUDGED), ("1dev-fp64",)),
-    **dict.fromkeys(THIRD_WAVE, ("1dev-fp64", "2dev-fp64")),
+    **dict.fromkeys(FROM_FIRST, ("1dev-fp64", "2dev-fp64")),
 }
 # Runs whose folder is not their name (waves.py): the evaluations on 1 device share a copy of the 1-device run.
 FOLDERS = {"validate-1dev": "eval", "test-1dev": "eval", "predict-1dev": "eval", "slurm-requeue": "slurm"}
@@ -31,6 +43,7 @@ class Footprint:
         self.peak = 0
         self.freed: set[str] = set()  # the folders whose checkpoints are deleted
         self.model_bytes = 0  # the model's float64 weights, read from the 1-device float64 run before its deletion
+        self.stripped: set[Path] = set()
 
     def measure(self, runs: Waves) -> None:
         now = {}
@@ -49,8 +62,9 @@ class Footprint:
         """Delete the checkpoints of the runs that have run and that no test still to run reads (`still_read`, from
         their `reads`), directly or through a run that starts from their files and has not run yet (STARTS_FROM; a
         one-step run may run again from nudged states in a test that reads it); the logs and records stay. Of a run
-        still read, the files that only other runs needed (`parts`). Return the folders freed. None (a test that
-        uses the runs declares nothing): nothing is freed."""
+        still read, the files that only other runs needed (`parts`), and the optimizer's state in the complete states
+        no run resumes from any more (`resumed_no_more`). Return the folders freed. None (a test that uses the runs
+        declares nothing): nothing is freed."""
         if still_read is None:
             return []
         kept = set(still_read)
@@ -68,6 +82,12 @@ class Footprint:
             for file in files:
                 file.unlink(missing_ok=True)
             self.freed |= set(freed)
+        states = [f for f in resumed_no_more(runs, kept, steps) if f not in self.stripped and f.is_file()]
+        if states:
+            self.measure(runs)
+            for state in states:
+                strip(state)
+            self.stripped |= set(states)
         return freed
 
 
@@ -79,21 +99,51 @@ def stored_bytes(weights: dict[str, torch.Tensor]) -> int:
 
 
 def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
-    """The files of a first-wave run that only other runs start from, or one check reads, once none of those is read any
-    more: the 1-device run's states at the one-step points (all but the resume's, which the third wave starts from),
-    the 2-device run's resume state re-tagged for cuda (runs.as_cuda), and both runs' per-epoch checkpoints (read for
-    their names: EPOCH_CHECKPOINTS)."""
+    """The files of a run still read that only other runs start from, or one check reads, once none of those is read
+    any more:
+    - the 1-device float64 run's states at the one-step points, once no one-step run is left (the resume's, 1 global
+      batch into epoch 1, once resume-1to2 has run too);
+    - the 2-device run's resume state, once resume-2to1 has run and its checks are done (MID_CHECKPOINT);
+    - the one-step runs' records of a precision once its check has run (STEP_RECORDS; the float64 run's once both
+      have), while the runs' logs are still read (check_onestep's bit-identical ranks)."""
     found = []
     one, two = runs.done.get("1dev-fp64"), runs.done.get("2dev-fp64")
     if one and not kept & {*ONE_STEP, *ONE_STEP_NUDGED}:
         resume = global_step(steps, steps["one_to_two"])
-        points = {global_step(steps, k) for k in steps["step_points"]} - {resume}
+        points = {global_step(steps, k) for k in steps["step_points"]} - ({resume} if "resume-1to2" in kept else set())
         found += [one.mid_checkpoint(step) for step in sorted(points)]
-    if two and "resume-2to1" not in kept:
-        found.append(cuda_copy(two, steps))
-    if EPOCH_CHECKPOINTS not in kept:
-        found += [run.epoch_checkpoint(epoch, steps) for run in (one, two) if run for epoch in (0, 1)]
+    if two and not kept & {MID_CHECKPOINT, "resume-2to1"}:
+        found.append(two.mid_checkpoint(global_step(steps, steps["two_to_one"])))
+    records = {tag: STEP_RECORDS.format(precision=tag) not in kept for tag in STEP_PRECISIONS}
+    records["fp64"] = all(records.values())
+    for name in [*ONE_STEP, *ONE_STEP_NUDGED]:
+        if name in runs.done and records[name.split("-")[2]]:
+            found.append(runs.done[name].root / "probe" / "onestep.pt")
     return found
+
+
+def resumed_no_more(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
+    """The complete states of the 1-device float64 run (still read for its weights) that no run resumes from any more:
+    its last.ckpt once `continue` has run, and its resume state once resume-1to2 has, where that is a one-step state
+    too and the one-step runs do not load its optimizer's state (a global batch is one optimizer step: waves.run_args).
+    """
+    one = runs.done.get("1dev-fp64")
+    if one is None:
+        return []
+    found = [] if "continue" in kept else [one.checkpoint()]
+    if "resume-1to2" not in kept and steps["steps_per_batch"] == 1 and not steps["manual_optimization"]:
+        found.append(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
+    return found
+
+
+def strip(path: Path) -> None:
+    """Save checkpoint `path` again without RESUME_STATE (a new file renamed over it: a hard link keeps the old)."""
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # the tensors read as they are saved
+    if not state.keys() & set(RESUME_STATE):
+        return
+    written = path.with_name(f".{path.name}.part")
+    torch.save({key: value for key, value in state.items() if key not in RESUME_STATE}, written)
+    os.replace(written, path)
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:

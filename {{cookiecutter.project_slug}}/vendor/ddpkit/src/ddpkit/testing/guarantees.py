@@ -53,9 +53,9 @@ from .check_sharded import (
 )
 
 # pytest collects the star-imported tests in this order: first what must hold before runs can be compared, then the
-# checks that read the first wave's runs alone, those of the second wave, those of the third (waves.py). A run's
-# checkpoints are deleted once no later test reads it (plugin.pytest_runtest_teardown), so the second wave's are gone
-# before the third wave writes its own.
+# checks of each wave's runs, wave by wave (waves.py): the first wave's, those that start from its checkpoints, the
+# one-step runs', the others'. A run's checkpoints are deleted once no later test reads it
+# (plugin.pytest_runtest_teardown), so a wave's are gone before a later wave writes its own.
 __all__ = [
     "test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones",
     "test_every_rank_holds_the_same_datasets",
@@ -74,9 +74,19 @@ __all__ = [
     "test_the_run_config_reaches_every_logger",
     "test_learning_rate_is_logged_at_every_step_the_logger_writes",
     "test_doctor_reports_by_default_without_timing_the_all_reduce",
-    # the second wave's
+    # the runs from its checkpoints (the 2 -> 1 resume first)
+    "test_checkpoint_written_on_gpus_resumes_on_cpu",
+    "test_mid_epoch_resume_on_other_device_count_matches_uninterrupted",
+    "test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices",
+    "test_eval_metrics_count_each_sample_once",
+    "test_a_run_without_logger_leaves_the_projects_config_alone",
+    "test_other_subcommands_run_from_a_checkpoint",
+    "test_ckpt_path_last_and_best_name_the_file_they_load",
+    "test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory",
+    # the one-step runs
     "test_one_step_from_the_same_state_matches_1_vs_2_devices",
     "test_both_ranks_end_bit_identical",
+    # the others
     "test_gradient_accumulation_keeps_the_global_batch",
     "test_torchrun_matches_lightning_launcher_and_1_device",
     "test_lr_schedule_is_the_same_on_1_and_2_devices",
@@ -84,15 +94,6 @@ __all__ = [
     "test_compare_command_fails_another_learning_rate",
     "test_two_torchrun_nodes_train_the_same_weights_as_one_device",
     "test_sharded_on_two_then_resumed_on_one_device_matches_ddp",
-    # the third wave's
-    "test_predictions_are_one_file_in_dataset_order_the_same_on_1_and_2_devices",
-    "test_eval_metrics_count_each_sample_once",
-    "test_mid_epoch_resume_on_other_device_count_matches_uninterrupted",
-    "test_checkpoint_written_on_gpus_resumes_on_cpu",
-    "test_a_run_without_logger_leaves_the_projects_config_alone",
-    "test_other_subcommands_run_from_a_checkpoint",
-    "test_ckpt_path_last_and_best_name_the_file_they_load",
-    "test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory",
     "test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device",
     "test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it",
     # on GPUs (none of the CPU runs)

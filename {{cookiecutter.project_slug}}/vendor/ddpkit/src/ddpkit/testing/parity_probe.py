@@ -90,6 +90,10 @@ class Probe(NoDropout):
             one-step check's states, where it judges the gradient, not the optimizer's update).
         continued: Keep the optimizer's state in last.ckpt too (a copy of the run is continued with
             `fit --ckpt_path last`).
+        on_gpu_at: Of `save_at_steps`, the steps whose checkpoint is written with every tensor tagged as stored on
+            cuda:0, as one written on GPUs (fake_cuda.py; another run resumes from it on CPU).
+        names_only: File-name patterns of the checkpoints the checks read for their names alone, written with no
+            tensors (slim.py).
         best: Keep the checkpoint callbacks' best checkpoints (off: last.ckpt alone, where no check reads a best).
         rank_weights: Save each rank's final weights to probe/fit-rank<r>.pt.
         fingerprint_data: Before fit, write each rank's fingerprints of the data module's train and val sets to
@@ -103,6 +107,8 @@ class Probe(NoDropout):
         resumable: bool = False,
         weights_at: list[int] | None = None,
         continued: bool = False,
+        on_gpu_at: list[int] | None = None,
+        names_only: list[str] | None = None,
         best: bool = True,
         rank_weights: bool = False,
         fingerprint_data: bool = False,
@@ -110,6 +116,7 @@ class Probe(NoDropout):
         self.save_at_steps = set(save_at_steps or ())
         resumes = self.save_at_steps - set(weights_at or ()) if resumable else set()
         self.full = [*(f"step{k}.ckpt" for k in sorted(resumes)), *(["last.ckpt"] if continued else [])]
+        self.cuda, self.names = [f"step{k}.ckpt" for k in sorted(on_gpu_at or ())], list(names_only or ())
         self.best, self.rank_weights, self.fingerprint_data = best, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
         self.eval_samples = 0
@@ -117,7 +124,8 @@ class Probe(NoDropout):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
-        slim(trainer, self.full, self.best, last_at_end=True)  # none of the checks reads an earlier last.ckpt
+        # last.ckpt once, at fit's end: none of the checks reads an earlier one.
+        slim(trainer, self.full, self.best, last_at_end=True, cuda=self.cuda, names=self.names)
         if self.fingerprint_data and stage == "fit":
             self.compare_data(trainer)
 

@@ -21,7 +21,6 @@ import torch
 from ..model.sharding import shards_on_cpu
 from ..parity import load_weights
 from .fake_cluster import SlurmJob
-from .fake_cuda import save_as_cuda
 from .helpers import finish, headline, main_py, run_main, start
 from .slots import run_slot
 
@@ -51,10 +50,6 @@ class Run:
 
     def probe(self, stage: str = "fit", rank: int = 0) -> dict:
         return json.loads((self.root / "probe" / f"{stage}-rank{rank}.json").read_text())
-
-    def epoch_checkpoint(self, epoch: int, steps: dict) -> Path:
-        """The checkpoint the suite's ModelCheckpoint saved at the end of `epoch` (named by Lightning's default)."""
-        return self.checkpoint(f"epoch={epoch}-step={(epoch + 1) * global_step(steps, steps['steps_per_epoch'])}.ckpt")
 
     def mid_checkpoint(self, step: int) -> Path:
         """The checkpoint the probe saved after `step` (parity_probe.Probe's save_at_steps)."""
@@ -171,20 +166,6 @@ def failed(error: AssertionError) -> Callable[[], Run]:
     return job
 
 
-def cuda_copy(run: Run, steps: dict) -> Path:
-    """Where `as_cuda` saves `run`'s checkpoint 3/4 into epoch 0 tagged as stored on cuda:0."""
-    path = run.mid_checkpoint(global_step(steps, steps["two_to_one"]))
-    return path.with_name(f"{path.stem}-cuda.ckpt")
-
-
-def as_cuda(run: Run, steps: dict) -> Path:
-    """`run`'s checkpoint 3/4 into epoch 0, saved again with every tensor tagged as stored on cuda:0."""
-    path, cuda = run.mid_checkpoint(global_step(steps, steps["two_to_one"])), cuda_copy(run, steps)
-    if not cuda.exists():
-        save_as_cuda(torch.load(path, map_location="cpu", weights_only=False), cuda)
-    return cuda
-
-
 @dataclass
 class Wave:
     names: tuple[str, ...]
@@ -299,20 +280,25 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 PROJECT_CONFIG = "# the project's config.yaml\n"
 
 
-# Read (`reads`) by the check of the names of the first-wave float64 runs' per-epoch checkpoints, the only reader of
-# those files (waves.run_args): once it has run, footprint.py deletes them.
-EPOCH_CHECKPOINTS = "epoch-checkpoints"
+# Read by the checks of the 2-device run's resume state 3/4 into epoch 0 (written tagged as on GPUs: waves.run_args),
+# which resume-2to1 starts from: once neither is left, footprint.py deletes it.
+MID_CHECKPOINT = "2dev-mid-checkpoint"
+# Read by the one-step check in a precision: the records of its one-step runs (probe/onestep.pt; the float64 run's
+# by both precisions' checks), which footprint.py deletes once the check has run.
+STEP_RECORDS = "step-records-{precision}"
 # The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`), after which Waves' gate is asked.
 GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
-# The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step).
-ONE_STEP = ("step-1dev-fp32", "step-2dev-fp32", "step-1dev-bf16", "step-2dev-bf16", "step-1dev-fp64")
+# The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step);
+# in two waves (waves.py), so that float32's records are deleted before bf16's are written (footprint.py).
+ONE_STEP_WAVES = (("step-1dev-fp32", "step-2dev-fp32", "step-1dev-fp64"), ("step-1dev-bf16", "step-2dev-bf16"))
+ONE_STEP = (*ONE_STEP_WAVES[0], *ONE_STEP_WAVES[1])
 # The same steps from states nudged (parity_probe.OneStep's `nudge`: each weight x (1 +- NUDGE)), only when a tensor is
 # over its bound: the second look (check_onestep.over_twice; docs/measurements.md, "ReLU kinks").
 NUDGE = 1e-4
 ONE_STEP_NUDGED = tuple(f"{name}-nudged" for name in ONE_STEP)
-# The third wave (waves.py): from the first wave's checkpoints, and the SLURM job.
-THIRD_WAVE = ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue", "slurm-requeue")
+# The runs that start from the first wave's checkpoints: the 2-device run's, then the 1-device run's (waves.py).
+FROM_FIRST = ("resume-2to1", "resume-1to2", *EVALUATIONS, "continue")
 
 
 # The set each evaluation stage reads (configured.py's `<set>_size`).
@@ -320,7 +306,7 @@ STAGE_SETS = {"validate": "val", "test": "test", "predict": "predict"}
 
 
 def evaluation_runs(steps: dict) -> list[str]:
-    """The third wave's runs of validate, test and predict for which the module defines a step and the data module
+    """The runs of validate, test and predict (of FROM_FIRST) for which the module defines a step and the data module
     a set."""
     stage = lambda name: name.split("-")[0]  # noqa: E731
     return [name for name in EVALUATIONS if stage(name) in steps["stages"] and steps["sizes"][stage(name)]]
@@ -338,7 +324,6 @@ __all__ = [
     "Run",
     "SlurmJob",
     "Waves",
-    "as_cuda",
     "comparable",
     "evaluation_runs",
     "global_step",

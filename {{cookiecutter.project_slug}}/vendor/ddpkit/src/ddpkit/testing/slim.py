@@ -2,11 +2,18 @@
 
 Most of the suite's checkpoints are only read for their weights; an optimizer like AdamW keeps two tensors per
 weight, which triples a checkpoint (an 11M-parameter model's float64 one is 90 MB instead of 270). A run keeps the
-optimizer's and schedulers' states only in the files another run resumes from (`full`: file-name patterns), keeps
-no best checkpoint where no check reads one (`best=False`), and can write last.ckpt only when fit ends (`last_at_end`:
-Lightning writes it at every epoch's end, and the checks read the last one).
+optimizer's and schedulers' states only in the files another run resumes from (`full`: file-name patterns), keeps no
+best checkpoint where no check reads one (`best=False`), and can write last.ckpt only when fit ends (`last_at_end`:
+Lightning writes it at every epoch's end, and the checks read the last one). A file is written beside its name and
+then renamed to it, so that a run that writes anew a checkpoint it started from (a copy of a run continued: its
+last.ckpt) may hold a hard link to the original, not a copy (Lightning's own save renames a temporary file only
+where it is on the same file system, and copies it in place elsewhere; another CheckpointIO may write in place). The
+resume state a run writes as a GPU would (`cuda`: file-name patterns) is written so in the first place, not copied
+later (fake_cuda.py). A checkpoint that the checks read for its name alone (`names`: the per-epoch ones, which show
+that 2 ranks write one set of files; its saving is Lightning's, on rank 0) holds its epoch and step, no tensors.
 """
 
+import os
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -14,22 +21,36 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from .fake_cuda import tagged_as_cuda
+
 RESUME_STATE = ("optimizer_states", "lr_schedulers")
+NAME_ONLY = "written by the guarantee suite for its file name alone (ddpkit.testing.slim)"
 
 
 class SlimIO(CheckpointIO):
-    """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`; with `ends`
-    (a trainer), last.ckpt only in the epoch fit ends with."""
+    """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`, every tensor
+    tagged as stored on cuda:0 in one that matches `cuda`, only the epoch and step in one that matches `names`, to a
+    new file renamed to `path` (a hard link to the file it replaces is left as it was); with `ends` (a trainer),
+    last.ckpt only in the epoch fit ends with."""
 
-    def __init__(self, io: CheckpointIO, full: list[str], ends: L.Trainer | None = None) -> None:
-        self.io, self.full, self.ends = io, full, ends
+    def __init__(self, io: CheckpointIO, full: list[str], ends: L.Trainer | None = None, *, cuda=(), names=()) -> None:
+        self.io, self.full, self.ends, self.cuda, self.names = io, full, ends, list(cuda), list(names)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        if self.ends is not None and Path(path).name == "last.ckpt" and not last_epoch(self.ends):
+        name = Path(path).name
+        if self.ends is not None and name == "last.ckpt" and not last_epoch(self.ends):
             return
-        if not any(fnmatch(Path(path).name, pattern) for pattern in self.full):
+        if not any(fnmatch(name, pattern) for pattern in self.full):
             checkpoint = {key: value for key, value in checkpoint.items() if key not in RESUME_STATE}
-        self.io.save_checkpoint(checkpoint, path, storage_options)
+        if any(fnmatch(name, pattern) for pattern in self.names):
+            checkpoint = {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"), NAME_ONLY: 1}
+        written = Path(path).with_name(f".{name}.part")
+        if any(fnmatch(name, pattern) for pattern in self.cuda):
+            with tagged_as_cuda():
+                self.io.save_checkpoint(checkpoint, written, storage_options)
+        else:
+            self.io.save_checkpoint(checkpoint, written, storage_options)
+        os.replace(written, path)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         return self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -50,13 +71,13 @@ def last_epoch(trainer: L.Trainer) -> bool:
     return steps_done or trainer.current_epoch + 1 >= trainer.max_epochs
 
 
-def slim(trainer: L.Trainer, full: list[str], best: bool, last_at_end: bool = False) -> None:
-    """Have `trainer` save RESUME_STATE only in the files matching `full`; with `best` False, its checkpoint
-    callbacks keep no top-k checkpoint (last.ckpt still); with `last_at_end`, last.ckpt is written only when fit
-    ends."""
+def slim(trainer: L.Trainer, full: list[str], best: bool, last_at_end: bool = False, *, cuda=(), names=()) -> None:
+    """Have `trainer` save RESUME_STATE only in the files matching `full`, the files matching `cuda` tagged as stored
+    on cuda:0 and those matching `names` for their names alone (SlimIO); with `best` False, its checkpoint callbacks
+    keep no top-k checkpoint (last.ckpt still); with `last_at_end`, last.ckpt is written only when fit ends."""
     if not isinstance(trainer.strategy.checkpoint_io, SlimIO):  # setup runs once per stage
         ends = trainer if last_at_end else None
-        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full, ends)
+        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full, ends, cuda=cuda, names=names)
     for callback in trainer.checkpoint_callbacks if not best else ():
         callback.save_top_k = 0
 

@@ -1,21 +1,22 @@
 """The shared runs of the project's `main.py` (runs.py: how they start and are read) and their command lines.
 
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
-three waves; the runs of a wave start at once, as many as the machine's slots allow (slots.py):
+waves; the runs of a wave start at once, as many as the machine's slots allow (slots.py), and each wave's files
+are deleted once its checks have read them, before a later wave writes its own (footprint.py):
 1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
    ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
    or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
    bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
-2. The one-step runs: from those states, single steps on 1 and 2 devices in float32 and in bf16-mixed, and on 1
-   device in float64 (check_onestep.py); then (a wave of their own, so that the one-step runs' files are gone
-   before theirs are written: footprint.py) `torchrun`, gradient accumulation on 2 devices x 2
-   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the
-   module shards (the library's model_parallel preset, compared with 1 device in float32), and, when the model
-   takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule.
-3. From the first wave's checkpoints: mid-epoch resumes on the other device count (2 -> 1 from a copy of
-   the checkpoint tagged as written on GPUs), `validate`, `test` and `predict` on 1 and 2 devices (those the
-   module defines a step for), `fit --ckpt_path last` continuing a finished run, and a 2-node SLURM job that
-   is signalled, requeued and resumed.
+2. From the first wave's checkpoints (FROM_FIRST), early so that the states they resume from go early: mid-epoch
+   resumes on the other device count (2 -> 1 from a checkpoint the 2-device run wrote with its tensors tagged as
+   on GPUs, a wave of its own; then 1 -> 2), `validate`, `test` and `predict` on 1 and 2 devices (those the module
+   defines a step for), and `fit --ckpt_path last` continuing a finished run.
+3. The one-step runs (check_onestep.py): from the 1-device run's states, single steps on 1 and 2 devices in
+   float32 and on 1 device in float64, then, once float32's records are gone, on 1 and 2 devices in bf16-mixed.
+4. The others: `torchrun`, gradient accumulation on 2 devices x 2 micro-batches (not for a module that optimizes
+   manually), two torchrun "nodes", sharded training when the module shards (the library's model_parallel preset,
+   compared with 1 device in float32), when the model takes one, 1 and 2 devices with a warmup + cosine
+   learning-rate schedule, and a 2-node SLURM job that is signalled, requeued and resumed.
 And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
 (`2dev-fp64-again`): how far two identical runs end apart (bounds.run_to_run); only when a one-step check is over
 its bound, the one-step runs again from nudged states (`step-...-nudged`: its second look, check_onestep.py).
@@ -48,11 +49,11 @@ from .runs import (
     ONE_STEP_NUDGED,
     PROJECT_CONFIG,
     STEP_PRECISIONS,
-    THIRD_WAVE,
+    FROM_FIRST,
     Run,
     Wave,
     Waves,
-    as_cuda,
+    ONE_STEP_WAVES,
     best_checkpoint,
     command,
     evaluation_runs,
@@ -62,6 +63,7 @@ from .runs import (
 )
 
 SCHEDULED = ("1dev-lr-fp64", "2dev-lr-fp64")  # 1 and 2 devices with a warmup + cosine schedule
+OTHERS = ("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32", *SCHEDULED, "slurm-requeue")
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
 FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
 
@@ -84,16 +86,19 @@ def run_args(
     saves: tuple[int, ...] = (),
     fingerprints: bool = False,
     continued: bool = False,
+    on_gpu: bool = False,
+    best_by_name: bool = False,
 ) -> list[str]:
-    """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read,
-    no more (slim.py): its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or
-    triples their size), and it keeps no best checkpoint, unless other runs resume from it at global batch
-    `resumed_at` (or start one-step runs from it after the global batches `saves`): then the probe saves a complete
-    checkpoint at each of those steps, the best is kept, an extra weights-only checkpoint per epoch is written (only
-    their names are checked: footprint.py deletes them once checked), and which parameter elements got no gradient
-    is recorded (parity_probe.GradientPeaks). last.ckpt is complete only with `continued` (a copy of the run is
-    continued). Each rank's final weights only with `rank_weights`; each rank's fingerprints of its datasets,
-    compared before training, only with `fingerprints`."""
+    """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read, no
+    more (slim.py): its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
+    their size), and it keeps no best checkpoint, unless other runs resume from it at global batch `resumed_at` (or
+    start one-step runs from it after the global batches `saves`): then the probe saves a complete checkpoint at each of
+    those steps, the best is kept (with `best_by_name`, for its name alone: no tensors), an extra checkpoint per epoch
+    is written for its name alone (the checks compare the files 1 and 2 devices write), and which parameter elements got
+    no gradient is recorded (parity_probe.GradientPeaks); with `on_gpu`, the state at `resumed_at` is written with its
+    tensors tagged as on cuda:0, as on GPUs. last.ckpt is complete only with `continued` (a copy of the run is
+    continued). Each rank's final weights only with `rank_weights`; each rank's fingerprints of its datasets, compared
+    before training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
@@ -106,11 +111,15 @@ def run_args(
         args.append("--trainer.callbacks.fingerprint_data=true")
     if continued:
         args.append("--trainer.callbacks.continued=true")
+    if on_gpu:
+        args.append(f"--trainer.callbacks.on_gpu_at=[{global_step(steps, resumed_at)}]")
     if resumed_at is None:  # nor the project's best checkpoint: only the 2 runs resumed from are read for theirs
         args.append("--trainer.callbacks.best=false")
     else:
         at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
         args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
+        names = ["epoch=*-step=*.ckpt", *(["best-*.ckpt"] if best_by_name else [])]  # Lightning's, the project's
+        args.append(f"--trainer.callbacks.names_only={json.dumps(names)}")
         # The one-step check's states need no optimizer state where one step is one optimizer step: the check judges
         # the gradient it sees. With several (steps_per_batch, a module optimizing itself), a later one's gradient
         # follows the earlier one's update, from the optimizer's state.
@@ -181,29 +190,13 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
     forked = 2
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
-    # The runs the third wave resumes (1 device from 1 global batch into epoch 1, 2 devices from 3/4 into epoch 0).
-    saves = tuple(steps["step_points"])  # the one-step runs' states
+    # The runs FROM_FIRST resumes (1 device from 1 global batch into epoch 1, 2 devices from 3/4 into epoch 0, a
+    # state written as on GPUs); the 1-device run saves the one-step runs' states too, and is continued.
+    one = dict(resumed_at=steps["one_to_two"], saves=tuple(steps["step_points"]), fingerprints=True, continued=True)
+    two = dict(resumed_at=steps["two_to_one"], fingerprints=True, on_gpu=True, best_by_name=True)
     first = {
-        "1dev-fp64": run(
-            "1dev-fp64",
-            main_cmd(
-                *fit(
-                    steps,
-                    "cpu",
-                    1,
-                    "64-true",
-                    csv,
-                    resumed_at=steps["one_to_two"],
-                    saves=saves,
-                    fingerprints=True,
-                    continued=True,
-                )
-            ),
-        ),
-        "2dev-fp64": run(
-            "2dev-fp64",
-            main_cmd(*fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"], fingerprints=True)),
-        ),
+        "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, **one))),
+        "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, **two))),
     }
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
@@ -217,14 +210,14 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         two = fit(steps, "cpu", 2, "64-true", csv, resumed_at=steps["two_to_one"])
         return run("2dev-fp64-again", main_cmd(*two))
 
-    def step_jobs(runs: Waves, nudge: float = 0.0) -> dict:
-        names = ONE_STEP_NUDGED if nudge else ONE_STEP
+    def step_jobs(runs: Waves, plains: tuple[str, ...], nudge: float = 0.0) -> dict:
+        names = [f"{plain}-nudged" if nudge else plain for plain in plains]
         try:  # from the states the 1-device float64 run saved; float64's step is the exact one
             states = runs["1dev-fp64"].root / "probe"
         except AssertionError as error:
             return dict.fromkeys(names, failed(error))
         jobs = {}
-        for name, plain in zip(names, ONE_STEP, strict=True):
+        for name, plain in zip(names, plains, strict=True):
             devices = 2 if "-2dev-" in plain else 1
             precision = {**STEP_PRECISIONS, "fp64": "64-true"}[plain.split("-")[-1]]
             nudging = (f"--trainer.callbacks.nudge={nudge}",) if nudge else ()
@@ -232,10 +225,11 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             jobs[name] = run(name, cmd, ranks=devices)
         return jobs
 
-    def second(runs: Waves) -> dict:
+    def others(runs: Waves) -> dict:
         jobs = {
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
+            "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"]),
         }
         if steps["micro_batch_size"]:  # else the data module takes none, or the global batch has no quarter
             jobs["2dev-acc2-fp64"] = run(
@@ -250,31 +244,24 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
                 jobs[name] = run(name, main_cmd(*fit(steps, "cpu", n, "64-true", *lr)), ranks=n)
         return jobs
 
-    def third(runs: Waves) -> dict:
-        jobs = {
-            "slurm-requeue": lambda: slurm_requeue_job(base / "slurm", cluster_args(steps), steps["steps_per_epoch"])
-        }
+    def from_two(runs: Waves) -> dict:
         try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs
-            ckpt = as_cuda(runs["2dev-fp64"], steps)
-            jobs["resume-2to1"] = run(
-                "resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt)))
-            )
+            ckpt = runs["2dev-fp64"].mid_checkpoint(global_step(steps, steps["two_to_one"]))
         except AssertionError as error:
-            jobs["resume-2to1"] = failed(error)
-        from_one = ("resume-1to2", *evaluation_runs(steps), "continue")
+            return {"resume-2to1": failed(error)}
+        return {"resume-2to1": run("resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt))))}
+
+    def from_one(runs: Waves) -> dict:
         try:
             one = runs["1dev-fp64"]
         except AssertionError as error:
-            return jobs | dict.fromkeys(from_one, failed(error))
+            return dict.fromkeys(FROM_FIRST[1:], failed(error))
         # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
         # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would. The copies'
-        # checkpoints are hard links, no space taken, except the last.ckpt that `continue` writes again; the logs,
-        # which Lightning rewrites in place (hparams.yaml), are copies.
+        # checkpoints are hard links, no space taken (`continue` writes its last.ckpt anew, a new file renamed over
+        # the link: slim.SlimIO); the logs, which Lightning rewrites in place (hparams.yaml), are copies.
         for copy in ("eval", "continue"):
             shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=link_checkpoints)
-        continued = base / "continue" / one.checkpoint().relative_to(one.root)
-        continued.unlink()
-        shutil.copy2(one.checkpoint(), continued)
         (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
         best, last = best_checkpoint(one), str(one.checkpoint())
         resume_at = str(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
@@ -285,7 +272,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             "test-2dev": run("test-2dev", main_cmd(*evaluate(steps, "test", 2, str(best))), ranks=forked),
             "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last)), ranks=forked),
         }
-        return jobs | {
+        return {
             "resume-1to2": run(
                 "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)), ranks=forked
             ),
@@ -297,17 +284,19 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             ),
         }
 
-    waves = [
+    waves = [  # in the order their checks come (guarantees.__all__)
         Wave(tuple(first), lambda runs: first),
-        # The one-step runs, a wave of their own: their tests come first among the second wave's, and once they have
-        # read them their records and the states they started from go (footprint.py) before the others write theirs.
-        Wave(ONE_STEP, step_jobs),
-        Wave(("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32", *SCHEDULED), second),
-        Wave(THIRD_WAVE, third),
+        # From the first wave's checkpoints: the 2-device run's resume state first, deleted once read, then the
+        # 1-device run's (whose complete states then keep their weights alone: footprint.py).
+        Wave(FROM_FIRST[:1], from_two),
+        Wave(FROM_FIRST[1:], from_one),
+        # The one-step runs, float32 and the exact step, then bf16-mixed.
+        *(Wave(names, lambda runs, names=names: step_jobs(runs, names)) for names in ONE_STEP_WAVES),
+        Wave(OTHERS, others),
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
         # The one-step runs from nudged states, only when a one-step check is over its bound (its second look).
-        Wave(ONE_STEP_NUDGED, lambda runs: step_jobs(runs, NUDGE)),
+        Wave(ONE_STEP_NUDGED, lambda runs: step_jobs(runs, ONE_STEP, NUDGE)),
     ]
     return Waves(base, waves, gate)
 
