@@ -49,11 +49,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 # No test reaches a dataset or model hub (this machine has no network): every job's runs inherit it from the start.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# The suite's runs at once over every session here (ddpkit/testing/slots.py), inherited by every job's processes:
-# with the default, twice the cores (4), one family session held all 4 slots while the other sessions' runs waited,
-# beside jobs that take none (the README's chains, pip); unlimited, test_model_families' first waves alone started
-# 40 processes (load 48, runs timing out). Both on 2026-12-06, docs/measurements.md.
-os.environ.setdefault("DDPKIT_SUITE_RUNS", "8")
+# The suite's processes at once over every session here (ddpkit/testing/slots.py), inherited by every job's processes:
+# with 4 runs (ddpkit < 0.10 counted runs, not processes), one family session held all 4 slots while the other
+# sessions' runs waited, beside jobs that take none (the README's chains, pip); unlimited, test_model_families' first
+# waves alone started 40 processes (load 48, runs timing out). Both on 2026-12-06, docs/measurements.md. 8 runs, as
+# since, are 8 to 16 processes; 12.
+os.environ.setdefault("DDPKIT_SUITE_RUNS", "12")
 
 
 def pytest_configure(config):

@@ -677,7 +677,7 @@ def test_suite_runs_take_slots_that_a_killed_holder_frees(tmp_path):
     folder, taken, release = tmp_path / "slots", [], threading.Event()
 
     def hold() -> None:
-        with run_slot(folder, 2) as number:
+        with run_slot(folder, 2) as (number,):
             taken.append(number)
             release.wait(60)
 
@@ -696,13 +696,13 @@ def test_suite_runs_take_slots_that_a_killed_holder_frees(tmp_path):
         thread.join(60)
     assert len(taken) == 3 and taken[2] in (0, 1)
     code = "import sys, time; from pathlib import Path; from ddpkit.testing.slots import run_slot\n"
-    code += "with run_slot(Path(sys.argv[1]), 1) as n: print(n, flush=True); time.sleep(600)\n"
+    code += "with run_slot(Path(sys.argv[1]), 1) as (n,): print(n, flush=True); time.sleep(600)\n"
     holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "0"
 
         def take() -> None:
-            with run_slot(folder, 1) as number:
+            with run_slot(folder, 1) as (number,):
                 taken.append(number)
 
         waiting = threading.Thread(target=take)
@@ -716,21 +716,62 @@ def test_suite_runs_take_slots_that_a_killed_holder_frees(tmp_path):
         holder.kill()
 
 
-def test_suite_runs_at_once_default_to_twice_the_cores_and_a_bad_count_is_refused():
-    """DDPKIT_SUITE_RUNS gives the number of slots; unset, twice the visible cores (at least 2); anything but a whole
-    number >= 1 is refused with the variable named."""
+def test_a_run_of_two_processes_takes_two_slots_at_once_or_none(tmp_path):
+    """With 3 slots, a run of 1 process holds one: a run of 2 takes the other 2 together; a second run of 2 waits,
+    holding none (a run of 1 still gets a freed slot meanwhile), until 2 are free; a run of more processes than there
+    are slots takes them all. Mutations: one slot a run, or slots taken one by one as they free (two runs of 2 each
+    holding one on 2 slots wait for each other), fail here."""
+    import threading
+
+    from ddpkit.testing.slots import run_slot
+
+    folder, events = tmp_path / "slots", []
+
+    def hold(name: str, processes: int, started: threading.Event, done: threading.Event) -> None:
+        with run_slot(folder, 3, processes) as numbers:
+            events.append((name, len(numbers)))
+            started.set()
+            done.wait(60)
+
+    flags = {name: (threading.Event(), threading.Event()) for name in ("one", "two", "again", "single")}
+    threads = {name: threading.Thread(target=hold, args=(name, 1 if name in ("one", "single") else 2, *flags[name]))
+               for name in flags}  # fmt: skip
+    for name in ("one", "two"):
+        threads[name].start()
+        assert flags[name][0].wait(30)
+    threads["again"].start()
+    assert not flags["again"][0].wait(0.5)  # 1 slot free, 2 needed
+    flags["one"][1].set()
+    threads["one"].join(30)
+    assert not flags["again"][0].wait(0.5)  # still 1 free: it holds none, so the run of 1 below takes it
+    threads["single"].start()
+    assert flags["single"][0].wait(30) and not flags["again"][0].is_set()
+    flags["two"][1].set()
+    assert flags["again"][0].wait(30)
+    for name in ("again", "single"):
+        flags[name][1].set()
+    for thread in threads.values():
+        thread.join(30)
+    assert events == [("one", 1), ("two", 2), ("single", 1), ("again", 2)]
+    with run_slot(folder, 3, 5) as numbers:
+        assert numbers == [0, 1, 2]
+
+
+def test_suite_runs_at_once_default_to_four_processes_a_core_and_a_bad_count_is_refused():
+    """DDPKIT_SUITE_RUNS gives the number of slots (processes); unset, 4 x the visible cores (at least 4); anything but
+    a whole number >= 1 is refused with the variable named."""
     from ddpkit.scaling.ranks import visible_cores
     from ddpkit.testing.slots import limit
 
-    assert limit({}) == max(2, 2 * visible_cores()) and limit({"DDPKIT_SUITE_RUNS": "3"}) == 3
+    assert limit({}) == max(4, 4 * visible_cores()) and limit({"DDPKIT_SUITE_RUNS": "3"}) == 3
     for bad in ("0", "two", "-1", "1.5"):
         with pytest.raises(ValueError, match="DDPKIT_SUITE_RUNS="):
             limit({"DDPKIT_SUITE_RUNS": bad})
 
 
 def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
-    """The runs a wave starts together each hold a slot while they run: with 1 slot, 3 runs of one wave run one at a
-    time, and all 3 run."""
+    """The runs a wave starts together each hold a slot per process while they run: with 1 slot, 3 runs of one wave
+    run one at a time, and all 3 run; with 2 slots, the 2 runs of 1 process run together, and the run of 2 alone."""
     import threading
     import time
 
@@ -740,12 +781,12 @@ def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
     monkeypatch.setattr(slots, "limit", lambda: 1)
     lock, running, most = threading.Lock(), [0], [0]
 
-    def job(name: str):
+    def job(name: str, seconds: float = 0.2):
         def run() -> str:
             with lock:
                 running[0] += 1
                 most[0] = max(most[0], running[0])
-            time.sleep(0.2)
+            time.sleep(seconds)
             with lock:
                 running[0] -= 1
             return name
@@ -754,6 +795,16 @@ def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
 
     runs = Waves(Path("."), [Wave(("a", "b", "c"), lambda runs: {n: job(n) for n in "abc"})])
     assert [runs[n] for n in "abc"] == ["a", "b", "c"] and most[0] == 1
+    monkeypatch.setattr(slots, "limit", lambda: 2)
+    alone, most[0] = [], 0
+
+    def two() -> str:
+        alone.append(running[0] == 0)  # nothing else runs beside it
+        return "c"
+
+    waves = [Wave(("a", "b", "c"), lambda runs: {"a": job("a", 1.0), "b": job("b", 1.0), "c": two})]
+    runs = Waves(Path("."), waves, processes=lambda name: 2 if name == "c" else 1)
+    assert [runs[n] for n in "abc"] == ["a", "b", "c"] and most[0] == 2 and alone == [True]
 
 
 @pytest.mark.parametrize(

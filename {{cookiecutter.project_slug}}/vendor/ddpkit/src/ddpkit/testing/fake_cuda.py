@@ -1,8 +1,7 @@
 """GPUs where there are none, for the tests only: CUDA-tagged checkpoints, and CUDA visibility as the CLI sees it.
 
-- `save_as_cuda(obj, path)`: `torch.save` whose tensors are tagged `cuda:0`, as a checkpoint written on a
-  GPU is; loading it without a map location on a machine with no GPU fails as it would (`tagged_as_cuda`: every
-  save inside it).
+- `tagged_as_cuda()`: inside it, `torch.save` tags every tensor `cuda:0`, as a checkpoint written on a GPU is;
+  loading it without a map location on a machine with no GPU fails as it would.
 - `FAKE_CUDA_DEVICES=N` with `fake_env`'s sitecustomize on PYTHONPATH (it calls `install`) makes
   `torch.cuda.is_available()` / `device_count()` report N GPUs in a subprocess: the checks that only read
   them (the CLI's refusals, the preflight's early exit) take their GPU branches; nothing can run on them.
@@ -24,7 +23,7 @@ def _tagger(obj: Any) -> str | None:
     return "cuda:0" if _tag_as_cuda and obj.device.type == "cpu" else None
 
 
-register_package(0, _tagger, lambda obj, location: None)  # tags only inside save_as_cuda; never loads
+register_package(0, _tagger, lambda obj, location: None)  # tags only inside tagged_as_cuda; never loads
 
 
 @contextmanager
@@ -36,12 +35,6 @@ def tagged_as_cuda() -> Iterator[None]:
         yield
     finally:
         _tag_as_cuda = False
-
-
-def save_as_cuda(obj: Any, path: Path) -> None:
-    """Save `obj` with every CPU tensor tagged as stored on `cuda:0`."""
-    with tagged_as_cuda():
-        torch.save(obj, path)
 
 
 def install() -> None:

@@ -177,13 +177,21 @@ class Waves:
     """The runs by name. A run starts when it is first asked for, together with the other runs of its wave that the
     session's selected tests read (`want`; every run of the wave when nothing was declared), so that a selection of
     tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once, each as soon as it
-    has a slot (slots.py); a run that fails fails the tests that read it, with its own error, and no other (a run of a
-    later wave that starts from it fails with that error too). `gate`, asked once the runs that fingerprint the datasets
-    (GATED_BY) have run, may give a reason no run can be compared (check_data.data_gate: the ranks hold different data):
-    then every test that asks for a run skips with it, and no run starts after it."""
+    has a slot per process it starts (slots.py; `processes`, by name, default 1); a run that fails fails the tests that
+    read it, with its own error, and no other (a run of a later wave that starts from it fails with that error too).
+    `gate`, asked once the runs that fingerprint the datasets (GATED_BY) have run, may give a reason no run can be
+    compared (check_data.data_gate: the ranks hold different data): then every test that asks for a run skips with it,
+    and no run starts after it."""
 
-    def __init__(self, base: Path, waves: list[Wave], gate: Callable[["Waves"], str] | None = None) -> None:
+    def __init__(
+        self,
+        base: Path,
+        waves: list[Wave],
+        gate: Callable[["Waves"], str] | None = None,
+        processes: Callable[[str], int] = lambda name: 1,
+    ) -> None:
         self.base, self.waves, self.done, self.failed, self.gate = base, waves, {}, {}, gate
+        self.processes = processes
         self.wanted: set[str] | None = None
         self.jobs: dict[str, Callable] = {}  # built, not yet started
         self.started: list[str] = []  # in the order they started
@@ -224,7 +232,7 @@ class Waves:
         jobs = {n: self.jobs.pop(n) for n in names}
         self.started += names
         with ThreadPoolExecutor(len(jobs)) as pool:  # each run waits for a slot on this machine (slots.py)
-            futures = {n: pool.submit(in_slot, jobs[n]) for n in jobs}
+            futures = {n: pool.submit(in_slot, jobs[n], self.processes(n)) for n in jobs}
         for n, future in futures.items():
             error = future.exception()
             if error is None:
@@ -236,9 +244,9 @@ class Waves:
             self.gated, self.stopped = True, self.gate(self)
 
 
-def in_slot(job: Callable[[], Run]) -> Run:
-    """`job()` once it holds one of the machine's slots for the suite's runs."""
-    with run_slot():
+def in_slot(job: Callable[[], Run], processes: int = 1) -> Run:
+    """`job()` once it holds a slot per process of it (`processes`) of the machine's slots for the suite's runs."""
+    with run_slot(processes=processes):
         return job()
 
 

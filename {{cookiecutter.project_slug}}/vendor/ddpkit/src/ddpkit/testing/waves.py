@@ -44,16 +44,16 @@ from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .footprint import remove_checkpoints
 from .helpers import main_py
 from .runs import (
+    FROM_FIRST,
     NUDGE,
     ONE_STEP,
     ONE_STEP_NUDGED,
+    ONE_STEP_WAVES,
     PROJECT_CONFIG,
     STEP_PRECISIONS,
-    FROM_FIRST,
     Run,
     Wave,
     Waves,
-    ONE_STEP_WAVES,
     best_checkpoint,
     command,
     evaluation_runs,
@@ -64,6 +64,8 @@ from .runs import (
 
 SCHEDULED = ("1dev-lr-fp64", "2dev-lr-fp64")  # 1 and 2 devices with a warmup + cosine schedule
 OTHERS = ("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32", *SCHEDULED, "slurm-requeue")
+# The runs of 2 processes whose name says no "2dev" (each takes 2 of the machine's slots: slots.py).
+TWO_PROCESSES = {"resume-1to2", "torchrun-fp64", "torchrun-nodes", "sharded", "slurm-requeue"}
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
 FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
 
@@ -298,7 +300,12 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         # The one-step runs from nudged states, only when a one-step check is over its bound (its second look).
         Wave(ONE_STEP_NUDGED, lambda runs: step_jobs(runs, ONE_STEP, NUDGE)),
     ]
-    return Waves(base, waves, gate)
+    return Waves(base, waves, gate, processes)
+
+
+def processes(name: str) -> int:
+    """How many processes the run `name` starts at once (its ranks, a torchrun's or SLURM's nodes)."""
+    return 2 if "2dev" in name or name in TWO_PROCESSES else 1
 
 
 def cluster_args(steps: dict) -> list[str]:
