@@ -422,7 +422,7 @@ def test_a_complete_state_keeps_its_weights_alone_once_no_run_resumes_from_it(tm
     assert keys() == [light, full, full]
     footprint.release(runs, {"1dev-fp64", "step-1dev-fp32"}, steps)
     assert keys() == [light, light if steps_per_batch == 1 else full, full]
-    assert torch.load(one.checkpoint())["state_dict"]["w"].tolist() == [0, 1, 2, 3]
+    assert torch.load(one.checkpoint(), weights_only=True)["state_dict"]["w"].tolist() == [0, 1, 2, 3]
     assert not list(tmp_path.rglob("*.part"))
 
 
@@ -874,16 +874,18 @@ def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
     os.link(tmp_path / "last.ckpt", tmp_path / "copy.ckpt")
     io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "last.ckpt")
-    assert torch.load(tmp_path / "copy.ckpt")["state_dict"]["w"].tolist() == [1, 1]
-    assert torch.load(tmp_path / "last.ckpt")["state_dict"]["w"].tolist() == [0, 0]
+    assert torch.load(tmp_path / "copy.ckpt", weights_only=True)["state_dict"]["w"].tolist() == [1, 1]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w"].tolist() == [0, 0]
     locations = {"step3.ckpt": [], "step4.ckpt": []}
     for name, seen in locations.items():
         state = {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [{"m": torch.ones(1)}]}
         io.save_checkpoint(state, tmp_path / name)
-        torch.load(tmp_path / name, map_location=lambda storage, at, seen=seen: seen.append(at) or storage)
+        torch.load(
+            tmp_path / name, map_location=lambda storage, at, seen=seen: seen.append(at) or storage, weights_only=True
+        )
     assert locations == {"step3.ckpt": ["cuda:0"] * 2, "step4.ckpt": ["cpu"] * 2}
     io.save_checkpoint({"epoch": 1, "global_step": 8, "state_dict": {"w": torch.ones(2)}}, tmp_path / "epoch=1.ckpt")
-    assert torch.load(tmp_path / "epoch=1.ckpt") == {"epoch": 1, "global_step": 8, NAME_ONLY: 1}
+    assert torch.load(tmp_path / "epoch=1.ckpt", weights_only=True) == {"epoch": 1, "global_step": 8, NAME_ONLY: 1}
     files = ["copy.ckpt", "epoch=1.ckpt", "last.ckpt", "step3.ckpt", "step4.ckpt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == files
 
