@@ -119,7 +119,7 @@ def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
         pytest.skip(f"{steps['steps_per_epoch']} steps per epoch: the resume points fall on epoch ends")
     same_samples(steps)  # a loader of the user's keeps no position: its sentence, not a KeyError
     k = steps["two_to_one"]
-    path = cpu_runs["2dev-fp64"].mid_checkpoint(global_step(steps, k))
+    path = cpu_runs["2dev-fp64"].resume_state(steps, "two_to_one")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "global_batches_done": k}]
 
@@ -143,7 +143,7 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
     resumed = cpu_runs["resume-2to1"]
     locations = []
-    path = cpu_runs["2dev-fp64"].mid_checkpoint(global_step(steps, steps["two_to_one"]))
+    path = cpu_runs["2dev-fp64"].resume_state(steps, "two_to_one")
     torch.load(path, map_location=lambda s, loc: locations.append(loc) or s, weights_only=False)  # hyperparameters too
     assert locations and set(locations) == {"cuda:0"}
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])

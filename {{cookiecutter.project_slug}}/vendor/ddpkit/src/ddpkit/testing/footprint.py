@@ -4,7 +4,6 @@ state that no run resumes from any more keeps its weights alone; what the runs w
 once, for the session's summary.
 """
 
-import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from .runs import (
     Waves,
     global_step,
 )
-from .slim import RESUME_STATE
+from .slim import strip
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
 # FROM_FIRST from both first-wave float64 runs' checkpoints (building it links the 1-device run's into copies of
@@ -113,7 +112,7 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
         points = {global_step(steps, k) for k in steps["step_points"]} - ({resume} if "resume-1to2" in kept else set())
         found += [one.mid_checkpoint(step) for step in sorted(points)]
     if two and not kept & {MID_CHECKPOINT, "resume-2to1"}:
-        found.append(two.mid_checkpoint(global_step(steps, steps["two_to_one"])))
+        found.append(two.resume_state(steps, "two_to_one"))
     records = {tag: STEP_RECORDS.format(precision=tag) not in kept for tag in STEP_PRECISIONS}
     records["fp64"] = all(records.values())
     for name in [*ONE_STEP, *ONE_STEP_NUDGED]:
@@ -132,18 +131,8 @@ def resumed_no_more(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
         return []
     found = [] if "continue" in kept else [one.checkpoint()]
     if "resume-1to2" not in kept and steps["steps_per_batch"] == 1 and not steps["manual_optimization"]:
-        found.append(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
+        found.append(one.resume_state(steps, "one_to_two"))
     return found
-
-
-def strip(path: Path) -> None:
-    """Save checkpoint `path` again without RESUME_STATE (a new file renamed over it: a hard link keeps the old)."""
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # the tensors read as they are saved
-    if not state.keys() & set(RESUME_STATE):
-        return
-    written = path.with_name(f".{path.name}.part")
-    torch.save({key: value for key, value in state.items() if key not in RESUME_STATE}, written)
-    os.replace(written, path)
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:

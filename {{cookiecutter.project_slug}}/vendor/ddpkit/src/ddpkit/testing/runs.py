@@ -55,6 +55,11 @@ class Run:
         """The checkpoint the probe saved after `step` (parity_probe.Probe's save_at_steps)."""
         return self.root / "probe" / f"step{step}.ckpt"
 
+    def resume_state(self, steps: dict, start: str) -> Path:
+        """The state another run resumes from, saved after the global batches `steps[start]` ("two_to_one",
+        "one_to_two": plan)."""
+        return self.mid_checkpoint(global_step(steps, steps[start]))
+
 
 def plan(configured: dict) -> dict:
     """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1 global batch into epoch 1 (the

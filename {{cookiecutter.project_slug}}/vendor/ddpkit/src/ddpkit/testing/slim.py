@@ -14,11 +14,14 @@ that 2 ranks write one set of files; its saving is Lightning's, on rank 0) holds
 """
 
 import os
+from collections.abc import Callable
+from contextlib import nullcontext
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from .fake_cuda import tagged_as_cuda
@@ -40,17 +43,12 @@ class SlimIO(CheckpointIO):
         name = Path(path).name
         if self.ends is not None and name == "last.ckpt" and not last_epoch(self.ends):
             return
-        if not any(fnmatch(name, pattern) for pattern in self.full):
-            checkpoint = {key: value for key, value in checkpoint.items() if key not in RESUME_STATE}
-        if any(fnmatch(name, pattern) for pattern in self.names):
+        if not matches(name, self.full):
+            checkpoint = without_resume_state(checkpoint)
+        if matches(name, self.names):
             checkpoint = {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"), NAME_ONLY: 1}
-        written = Path(path).with_name(f".{name}.part")
-        if any(fnmatch(name, pattern) for pattern in self.cuda):
-            with tagged_as_cuda():
-                self.io.save_checkpoint(checkpoint, written, storage_options)
-        else:
-            self.io.save_checkpoint(checkpoint, written, storage_options)
-        os.replace(written, path)
+        with tagged_as_cuda() if matches(name, self.cuda) else nullcontext():
+            save_beside(Path(path), lambda written: self.io.save_checkpoint(checkpoint, written, storage_options))
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         return self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -60,6 +58,28 @@ class SlimIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.io.teardown()
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch(name, pattern) for pattern in patterns)
+
+
+def without_resume_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in checkpoint.items() if key not in RESUME_STATE}
+
+
+def save_beside(path: Path, save: Callable[[Path], None]) -> None:
+    """`save` to a new file beside `path`, then renamed over it: a hard link to the file it replaces keeps the old."""
+    written = path.with_name(f".{path.name}.part")
+    save(written)
+    os.replace(written, path)
+
+
+def strip(path: Path) -> None:
+    """Save checkpoint `path` again without RESUME_STATE, once no run resumes from it (footprint.py)."""
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # the tensors read as they are saved
+    if state.keys() & set(RESUME_STATE):
+        save_beside(path, lambda written: torch.save(without_resume_state(state), written))
 
 
 def last_epoch(trainer: L.Trainer) -> bool:

@@ -248,7 +248,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
 
     def from_two(runs: Waves) -> dict:
         try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs
-            ckpt = runs["2dev-fp64"].mid_checkpoint(global_step(steps, steps["two_to_one"]))
+            ckpt = runs["2dev-fp64"].resume_state(steps, "two_to_one")
         except AssertionError as error:
             return {"resume-2to1": failed(error)}
         return {"resume-2to1": run("resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt))))}
@@ -266,7 +266,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=link_checkpoints)
         (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
         best, last = best_checkpoint(one), str(one.checkpoint())
-        resume_at = str(one.mid_checkpoint(global_step(steps, steps["one_to_two"])))
+        resume_at = str(one.resume_state(steps, "one_to_two"))
         evaluations = {
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
