@@ -3,6 +3,7 @@ versions, the collective timeout, the progress bar's default, the requeue checkp
 
 import functools
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from ddpkit.testing.parity_probe import digests, nudged
 from ddpkit.testing.footprint import Footprint, remove_checkpoints, stored_bytes
 from ddpkit.testing.runs import MID_CHECKPOINT, STEP_RECORDS, Run, Wave, Waves, command, evaluation_runs, failed
 from ddpkit.testing.runs import plan, runs_read
+from ddpkit.testing.slim import NAME_ONLY
 
 LIBRARY_TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -332,10 +334,10 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     logs stay); the 1-device float64 run keeps them while a one-step run reads it (its nudged second look starts from
     them) and both first-wave runs while a run of FROM_FIRST has not run (it starts from them), as does the folder that
     run shares with a finished one (the evaluations' copy). Of a run still read: the one-step states go with the last
-    one-step reader, the resume's state (one of them) once resume-1to2 has run too; the 2-device resume state once
-    resume-2to1 and its checks (MID_CHECKPOINT) are done; a precision's one-step records with its check (STEP_RECORDS),
-    the float64 run's with both. Nothing goes when a later test declares nothing. The footprint counts each file once, a
-    hard link too, and the most bytes at once."""
+    one-step reader, the resume's state (one of them) once resume-1to2 and `continue` have run too; the 2-device resume
+    state once resume-2to1 and its checks (MID_CHECKPOINT) are done; a precision's one-step records with its check
+    (STEP_RECORDS), the float64 run's with both. Nothing goes when a later test declares nothing. The footprint counts
+    each file once, a hard link too, and the most bytes at once."""
     runs, footprint = Waves(tmp_path, []), Footprint()
     steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_batch": 1, "steps_per_epoch": 4}
     steps["manual_optimization"] = True  # no state kept as weights alone (the next test)
@@ -385,9 +387,10 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
     freed = ["eval", "resume-2to1", "step-1dev-bf16", "step-1dev-fp64"]
     assert footprint.release(runs, later, steps) == freed
     assert kept() == ["1dev-fp64", "2dev-fp64", *states] and records() == []
-    assert footprint.release(runs, {"1dev-fp64", "resume-1to2"}, steps) == ["2dev-fp64", "step-1dev-fp32"]
-    assert kept() == ["1dev-fp64", "step5.ckpt"]
-    assert footprint.release(runs, {"1dev-fp64"}, steps) == ["resume-1to2"] and kept() == ["1dev-fp64"]
+    runs.done["continue"] = Run(tmp_path / "continue", tmp_path)  # from a copy holding the resume state as last.ckpt
+    freed = ["2dev-fp64", "resume-1to2", "step-1dev-fp32"]
+    assert footprint.release(runs, {"1dev-fp64", "continue"}, steps) == freed and kept() == ["1dev-fp64", "step5.ckpt"]
+    assert footprint.release(runs, {"1dev-fp64"}, steps) == ["continue"] and kept() == ["1dev-fp64"]
     assert footprint.release(runs, set(), steps) == ["1dev-fp64"] and kept() == []
     assert footprint.written() == (11, 4 * one_file + 70) and footprint.peak == 4 * one_file + 70
     assert len(list(tmp_path.rglob("metrics.csv"))) == 5 and len(list(tmp_path.rglob("onestep-rank0.json"))) == 3
@@ -395,34 +398,39 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
 
 @pytest.mark.parametrize("steps_per_batch", [1, 2])
 def test_a_complete_state_keeps_its_weights_alone_once_no_run_resumes_from_it(tmp_path, steps_per_batch):
-    """Footprint.release saves the 1-device float64 run's last.ckpt again without the optimizer's state once
-    `continue` has run (its weights are still compared), a copy's hard link keeping the complete file; and its resume
-    state once resume-1to2 has, while it is still a one-step state, unless a global batch takes several optimizer
-    steps (then the one-step runs load the optimizer's state). Mutations: stripping before `continue` or resume-1to2
-    has run, or with 2 steps a batch, fail here."""
+    """Footprint.release saves the 1-device float64 run's resume state again without the optimizer's state once
+    resume-1to2 and `continue` (from a copy holding it as last.ckpt, a hard link that keeps the complete file) have
+    run, while it is still a one-step state, unless a global batch takes several optimizer steps (then the one-step
+    runs load the optimizer's state); and its best checkpoint with its epoch and step alone once neither evaluation
+    that loads it is left (test-1dev, test-2dev). Mutations: stripping before `continue` or resume-1to2 has run, or
+    with 2 steps a batch, or the best before test-2dev has run, fail here."""
     runs, footprint = Waves(tmp_path, []), Footprint()
     steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_epoch": 4}
     steps |= {"steps_per_batch": steps_per_batch, "manual_optimization": False}
     one = runs.done["1dev-fp64"] = Run(tmp_path / "1dev-fp64", tmp_path / "1dev.log")
-    weights = {"w": torch.arange(4, dtype=torch.float64)}
-    complete = {"state_dict": weights, "optimizer_states": [{"m": torch.ones(4)}], "lr_schedulers": [{"n": 1}]}
-    resume = one.mid_checkpoint(5 * steps_per_batch)
-    for path in (one.checkpoint(), resume):
+    loops = {"epoch": 1, "global_step": 5 * steps_per_batch}
+    weights = {"state_dict": {"w": torch.arange(4, dtype=torch.float64)}, **loops}
+    resume, best = one.mid_checkpoint(5 * steps_per_batch), one.checkpoint().with_name("best-epoch01-step8.ckpt")
+    for path, state in ((resume, {**weights, "optimizer_states": [{"m": torch.ones(4)}], "lr_schedulers": [{}]}),
+                        (best, weights), (one.checkpoint(), weights)):  # fmt: skip
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(complete, path)
-    os.link(one.checkpoint(), tmp_path / "copy.ckpt")
+        torch.save(state, path)
+    os.link(resume, tmp_path / "copy.ckpt")
 
     def keys() -> list[list[str]]:
-        return [sorted(torch.load(p, weights_only=False)) for p in (one.checkpoint(), resume, tmp_path / "copy.ckpt")]
+        return [sorted(torch.load(p, weights_only=False)) for p in (resume, tmp_path / "copy.ckpt", best)]
 
-    full, light = ["lr_schedulers", "optimizer_states", "state_dict"], ["state_dict"]
-    footprint.release(runs, {"1dev-fp64", "continue", "resume-1to2", "step-1dev-fp32"}, steps)
-    assert keys() == [full, full, full]
-    footprint.release(runs, {"1dev-fp64", "resume-1to2", "step-1dev-fp32"}, steps)
-    assert keys() == [light, full, full]
+    light = ["epoch", "global_step", "state_dict"]
+    full, name = sorted([*light, "lr_schedulers", "optimizer_states"]), sorted([*light[:2], NAME_ONLY])
+    footprint.release(runs, {"1dev-fp64", "resume-1to2", "test-2dev", "step-1dev-fp32"}, steps)
+    assert keys() == [full, full, light]
+    footprint.release(runs, {"1dev-fp64", "continue", "step-1dev-fp32"}, steps)
+    assert keys() == [full, full, name]
     footprint.release(runs, {"1dev-fp64", "step-1dev-fp32"}, steps)
-    assert keys() == [light, light if steps_per_batch == 1 else full, full]
-    assert torch.load(one.checkpoint(), weights_only=True)["state_dict"]["w"].tolist() == [0, 1, 2, 3]
+    assert keys() == [light if steps_per_batch == 1 else full, full, name]
+    assert torch.load(resume, weights_only=True)["state_dict"]["w"].tolist() == [0, 1, 2, 3]
+    assert torch.load(best, weights_only=True)["global_step"] == 5 * steps_per_batch
+    assert sorted(torch.load(one.checkpoint(), weights_only=False)) == light  # the weights the checks compare
     assert not list(tmp_path.rglob("*.part"))
 
 
@@ -864,7 +872,7 @@ def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone
     alone (mutation: ignoring `names`)."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from ddpkit.testing.slim import NAME_ONLY, SlimIO
+    from ddpkit.testing.slim import SlimIO
 
     class InPlace(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):
@@ -937,3 +945,32 @@ def test_each_probe_fit_starts_with_the_earlier_ones_freed(monkeypatch):
     data.setup("fit")
     probe = probe_training_step(ToyClassifier(hidden_dim=16), data, {})
     assert probe["random_step"] == probe["batch_mean"] == "" and alive == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("consume", [True, False])
+def test_a_consuming_run_deletes_the_checkpoint_it_resumed_from_once_restored(tmp_path, consume):
+    """Probe(consume=True) deletes the file fit resumed from once Lightning has restored it (resume-2to1: the 2-device
+    resume state, read by nothing after), and the run still trains from its step on; without `consume` the file
+    stays. Mutation: ignoring `consume` fails here."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ddpkit.testing.parity_probe import Probe
+
+    def trainer(root: Path, *callbacks) -> L.Trainer:
+        return L.Trainer(
+            default_root_dir=root, max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            callbacks=list(callbacks),
+        )  # fmt: skip
+
+    first = trainer(tmp_path / "first")
+    first.fit_loop.max_epochs = 1
+    first.fit(BoringModel())
+    state = tmp_path / "state.ckpt"
+    first.save_checkpoint(state)
+    resumed = trainer(tmp_path / "resumed", Probe(consume=consume))
+    resumed.fit(BoringModel(), ckpt_path=state)
+    trained = json.loads((tmp_path / "resumed" / "probe" / "fit-rank0.json").read_text())["train"]
+    assert resumed.global_step == 4 and [step["step"] for step in trained] == [3, 4]  # epoch 1's, from the state
+    assert state.is_file() is not consume

@@ -1,7 +1,8 @@
 """`python main.py` end to end on whatever config.yaml selects: what a run writes, the other subcommands.
 
 The runs are the suite's shared ones (runs.py): the 1-device float64 fit of the first wave, with a CSV logger
-added to config.yaml's; `validate`, `test` and `predict` from a copy of it; `fit --ckpt_path last` on another.
+added to config.yaml's; `validate`, `test` and `predict` from a copy of it; `fit --ckpt_path last` on another copy,
+stopped mid-epoch.
 """
 
 import json
@@ -11,7 +12,8 @@ import yaml
 
 from ..parity import read_csv_scalars, read_scalars
 from ..scaling.record import DoctorRecord
-from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint, reads
+from .bounds import assert_weights_close, fp64_bound
+from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint, comparable, global_step, reads
 
 
 def defined(configured: dict, *commands: str) -> list[str]:
@@ -131,17 +133,21 @@ def test_ckpt_path_last_and_best_name_the_file_they_load(cpu_runs, configured):
         assert f"test: --ckpt_path best is {best}\n" in cpu_runs["test-1dev"].output()
 
 
-@reads("1dev-fp64", "continue")
-def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(cpu_runs):
-    """After a finished 2-epoch run, `fit --ckpt_path last --trainer.max_epochs 3` trains one more epoch from it,
-    logging and checkpointing into the same version directory (Lightning's own `last` would start from scratch
-    in a new one). The run is a copy, as after moving it: last.ckpt is still overwritten, not versioned."""
+@reads("continue", "1dev-fp64", "2dev-fp64", "{reference}")
+def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(cpu_runs, steps):
+    """A run stopped 1 global batch into epoch 1 (its last.ckpt that state, as a killed run's, saved every few steps,
+    would be) continues with `fit --ckpt_path last`: it trains the remaining steps only, logging and checkpointing
+    into the same version directory (Lightning's own `last` would start from scratch in a new one), and ends with the
+    uninterrupted run's weights. The run is a copy, as after moving it: last.ckpt is overwritten, not versioned."""
     continued = cpu_runs["continue"]
-    before = cpu_runs["1dev-fp64"].global_step()
     assert f"fit: --ckpt_path last is {continued.checkpoint()}\n" in continued.output()
     assert [p.name for p in (continued.root / "lightning_logs").iterdir()] == ["version_0"]
     assert len(list(continued.version.glob("events.out.tfevents.*"))) == 2
-    assert continued.global_step() == before * 3 // 2
+    assert continued.global_step() == cpu_runs["1dev-fp64"].global_step()
+    stepped = [global_step(steps, b) for b in range(steps["one_to_two"] + 1, 2 * steps["steps_per_epoch"] + 1)]
+    assert [r["step"] for r in continued.probe()["train"]] == stepped
+    comparable(steps)
+    assert_weights_close(cpu_runs["1dev-fp64"], continued, fp64_bound(cpu_runs, steps))
 
 
 @reads("1dev-fp64")

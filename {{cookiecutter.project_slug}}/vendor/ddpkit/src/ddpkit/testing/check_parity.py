@@ -140,12 +140,13 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
 @reads("resume-2to1", "1dev-fp64", "2dev-fp64", "{reference}", MID_CHECKPOINT)
 def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     """A checkpoint whose tensors are tagged cuda:0 (as saved on a GPU) resumes on CPU (resume-2to1 started from
-    one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights."""
-    resumed = cpu_runs["resume-2to1"]
+    one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights. The file is
+    read before the run starts: the run deletes it once restored (waves.run_args' `consumes`)."""
     locations = []
     path = cpu_runs["2dev-fp64"].resume_state(steps, "two_to_one")
     torch.load(path, map_location=lambda s, loc: locations.append(loc) or s, weights_only=False)  # hyperparameters too
     assert locations and set(locations) == {"cuda:0"}
+    resumed = cpu_runs["resume-2to1"]
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     comparable(steps)
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))

@@ -1,7 +1,7 @@
 """The suite's checkpoints on disk (the plugin's): a run's are deleted once no test still to run reads it, nor a run
-that starts from them (`Footprint.release`, after each test), the rest at the end of the session, and a complete
-state that no run resumes from any more keeps its weights alone; what the runs wrote and the most bytes on disk at
-once, for the session's summary.
+that starts from them (`Footprint.release`, after each test), the rest at the end of the session, a complete state
+that no run resumes from any more keeps its weights alone, and a best checkpoint no run loads any more its name
+alone; what the runs wrote and the most bytes on disk at once, for the session's summary.
 """
 
 import shutil
@@ -19,7 +19,10 @@ from .runs import (
     Waves,
     global_step,
 )
-from .slim import strip
+from .slim import keep_name_alone, strip
+
+# Set (to anything) to keep the runs' checkpoints after the session, and every one they write, to look into a failure.
+KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
 
 # The runs whose files a run starts from (waves.py): the one-step runs from the 1-device float64 run's saved states,
 # FROM_FIRST from both first-wave float64 runs' checkpoints (building it links the 1-device run's into copies of
@@ -28,6 +31,10 @@ STARTS_FROM = {
     **dict.fromkeys((*ONE_STEP, *ONE_STEP_NUDGED), ("1dev-fp64",)),
     **dict.fromkeys(FROM_FIRST, ("1dev-fp64", "2dev-fp64")),
 }
+# The runs that resume from the 1-device float64 run's resume state (`continue` from its copy as last.ckpt), and the
+# evaluations that load its best checkpoint (waves.py).
+RESUMED_ONE = {"resume-1to2", "continue"}
+LOADS_BEST = {"test-1dev", "test-2dev"}
 # Runs whose folder is not their name (waves.py): the evaluations on 1 device share a copy of the 1-device run.
 FOLDERS = {"validate-1dev": "eval", "test-1dev": "eval", "predict-1dev": "eval", "slurm-requeue": "slurm"}
 
@@ -61,8 +68,9 @@ class Footprint:
         """Delete the checkpoints of the runs that have run and that no test still to run reads (`still_read`, from
         their `reads`), directly or through a run that starts from their files and has not run yet (STARTS_FROM; a
         one-step run may run again from nudged states in a test that reads it); the logs and records stay. Of a run
-        still read, the files that only other runs needed (`parts`), and the optimizer's state in the complete states
-        no run resumes from any more (`resumed_no_more`). Return the folders freed. None (a test that uses the runs
+        still read, the files that only other runs needed (`parts`), the optimizer's state in the complete states
+        no run resumes from any more (`resumed_no_more`), and the tensors of the best checkpoint no run loads any more
+        (`loaded_no_more`). Return the folders freed. None (a test that uses the runs
         declares nothing): nothing is freed."""
         if still_read is None:
             return []
@@ -82,11 +90,14 @@ class Footprint:
                 file.unlink(missing_ok=True)
             self.freed |= set(freed)
         states = [f for f in resumed_no_more(runs, kept, steps) if f not in self.stripped and f.is_file()]
-        if states:
+        bests = [f for f in loaded_no_more(runs, kept) if f not in self.stripped]
+        if states or bests:
             self.measure(runs)
             for state in states:
                 strip(state)
-            self.stripped |= set(states)
+            for best in bests:
+                keep_name_alone(best)
+            self.stripped |= {*states, *bests}
         return freed
 
 
@@ -101,7 +112,7 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
     """The files of a run still read that only other runs start from, or one check reads, once none of those is read
     any more:
     - the 1-device float64 run's states at the one-step points, once no one-step run is left (the resume's, 1 global
-      batch into epoch 1, once resume-1to2 has run too);
+      batch into epoch 1, once resume-1to2 and `continue` have run too);
     - the 2-device run's resume state, once resume-2to1 has run and its checks are done (MID_CHECKPOINT);
     - the one-step runs' records of a precision once its check has run (STEP_RECORDS; the float64 run's once both
       have), while the runs' logs are still read (check_onestep's bit-identical ranks)."""
@@ -109,7 +120,7 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
     one, two = runs.done.get("1dev-fp64"), runs.done.get("2dev-fp64")
     if one and not kept & {*ONE_STEP, *ONE_STEP_NUDGED}:
         resume = global_step(steps, steps["one_to_two"])
-        points = {global_step(steps, k) for k in steps["step_points"]} - ({resume} if "resume-1to2" in kept else set())
+        points = {global_step(steps, k) for k in steps["step_points"]} - ({resume} if kept & RESUMED_ONE else set())
         found += [one.mid_checkpoint(step) for step in sorted(points)]
     if two and not kept & {MID_CHECKPOINT, "resume-2to1"}:
         found.append(two.resume_state(steps, "two_to_one"))
@@ -122,17 +133,20 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
 
 
 def resumed_no_more(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
-    """The complete states of the 1-device float64 run (still read for its weights) that no run resumes from any more:
-    its last.ckpt once `continue` has run, and its resume state once resume-1to2 has, where that is a one-step state
-    too and the one-step runs do not load its optimizer's state (a global batch is one optimizer step: waves.run_args).
-    """
+    """The 1-device float64 run's resume state (still read for its weights by the one-step runs) once no run resumes
+    from it any more (RESUMED_ONE), where the one-step runs do not load its optimizer's state (a global batch is one
+    optimizer step: waves.run_args)."""
     one = runs.done.get("1dev-fp64")
-    if one is None:
+    if one is None or kept & RESUMED_ONE or steps["steps_per_batch"] != 1 or steps["manual_optimization"]:
         return []
-    found = [] if "continue" in kept else [one.checkpoint()]
-    if "resume-1to2" not in kept and steps["steps_per_batch"] == 1 and not steps["manual_optimization"]:
-        found.append(one.resume_state(steps, "one_to_two"))
-    return found
+    return [one.resume_state(steps, "one_to_two")]
+
+
+def loaded_no_more(runs: Waves, kept: set[str]) -> list[Path]:
+    """The 1-device float64 run's best checkpoint once no evaluation that loads it is left (LOADS_BEST): the checks
+    read its name alone after."""
+    one = runs.done.get("1dev-fp64")
+    return [] if one is None or kept & LOADS_BEST else sorted(one.checkpoint().parent.glob("best-*.ckpt"))
 
 
 def remove_checkpoints(base: Path, delete: bool = True) -> tuple[int, int]:

@@ -86,14 +86,14 @@ __all__ = [
     # the one-step runs
     "test_one_step_from_the_same_state_matches_1_vs_2_devices",
     "test_both_ranks_end_bit_identical",
-    # the others
+    # the others, in two waves
     "test_gradient_accumulation_keeps_the_global_batch",
     "test_torchrun_matches_lightning_launcher_and_1_device",
-    "test_lr_schedule_is_the_same_on_1_and_2_devices",
     "test_compare_command_passes_two_torchrun_nodes_against_one_process",
-    "test_compare_command_fails_another_learning_rate",
     "test_two_torchrun_nodes_train_the_same_weights_as_one_device",
     "test_sharded_on_two_then_resumed_on_one_device_matches_ddp",
+    "test_lr_schedule_is_the_same_on_1_and_2_devices",
+    "test_compare_command_fails_another_learning_rate",
     "test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device",
     "test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it",
     # on GPUs (none of the CPU runs)

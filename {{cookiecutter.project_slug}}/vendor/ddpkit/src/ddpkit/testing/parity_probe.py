@@ -85,11 +85,11 @@ class Probe(NoDropout):
             resume points), the way ModelCheckpoint saves one with every_n_train_steps.
         resumable: Keep the optimizer's state in the checkpoints at `save_at_steps`, which other runs resume
             from, but at `weights_at`. Other checkpoints hold the weights and the loops' state (what the checks
-            compare and evaluation loads), but for last.ckpt with `continued`: slim.py.
+            compare and evaluation loads): slim.py.
         weights_at: Of `save_at_steps`, the steps whose checkpoint holds no optimizer state with `resumable` (the
             one-step check's states, where it judges the gradient, not the optimizer's update).
-        continued: Keep the optimizer's state in last.ckpt too (a copy of the run is continued with
-            `fit --ckpt_path last`).
+        consume: Delete the checkpoint fit resumed from once its states are restored (rank 0): another run's
+            resume state that nothing reads after, gone before this run writes its own (footprint.py).
         on_gpu_at: Of `save_at_steps`, the steps whose checkpoint is written with every tensor tagged as stored on
             cuda:0, as one written on GPUs (fake_cuda.py; another run resumes from it on CPU).
         names_only: File-name patterns of the checkpoints the checks read for their names alone, written with no
@@ -106,7 +106,7 @@ class Probe(NoDropout):
         save_at_steps: list[int] | None = None,
         resumable: bool = False,
         weights_at: list[int] | None = None,
-        continued: bool = False,
+        consume: bool = False,
         on_gpu_at: list[int] | None = None,
         names_only: list[str] | None = None,
         best: bool = True,
@@ -115,7 +115,7 @@ class Probe(NoDropout):
     ) -> None:
         self.save_at_steps = set(save_at_steps or ())
         resumes = self.save_at_steps - set(weights_at or ()) if resumable else set()
-        self.full = [*(f"step{k}.ckpt" for k in sorted(resumes)), *(["last.ckpt"] if continued else [])]
+        self.full, self.consume = [f"step{k}.ckpt" for k in sorted(resumes)], consume
         self.cuda, self.names = [f"step{k}.ckpt" for k in sorted(on_gpu_at or ())], list(names_only or ())
         self.best, self.rank_weights, self.fingerprint_data = best, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
@@ -144,6 +144,9 @@ class Probe(NoDropout):
                 raise RuntimeError(differs)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning has restored every state from ckpt_path by now, and reads the file no more.
+        if self.consume and trainer.ckpt_path and trainer.is_global_zero:
+            Path(trainer.ckpt_path).unlink(missing_ok=True)
         self.samples = TrainSamples(trainer.train_dataloader)  # before the loop first iterates it
         self.record["samples_read"] = self.samples.read
 

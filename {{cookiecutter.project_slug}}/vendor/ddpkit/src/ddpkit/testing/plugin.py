@@ -22,12 +22,10 @@ from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .float64 import summary  # noqa: E402
 from .helpers import set_project  # noqa: E402
-from .footprint import Footprint, remove_checkpoints  # noqa: E402
+from .footprint import KEEP_CHECKPOINTS, Footprint, remove_checkpoints  # noqa: E402
 from .runs import Run, Waves, plan, runs_read  # noqa: E402
 from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
 
-# Set (to anything) to keep the runs' checkpoints after the session, to look into a failure.
-KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
 # What the runs wrote, for the session's summary: (checkpoint files, their bytes, the most bytes on disk at once, the
 # model's float64 weights' bytes).
 FOOTPRINT: list[tuple[int, int, int, int]] = []

@@ -46,7 +46,7 @@ class SlimIO(CheckpointIO):
         if not matches(name, self.full):
             checkpoint = without_resume_state(checkpoint)
         if matches(name, self.names):
-            checkpoint = {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"), NAME_ONLY: 1}
+            checkpoint = name_alone(checkpoint)
         with tagged_as_cuda() if matches(name, self.cuda) else nullcontext():
             save_beside(Path(path), lambda written: self.io.save_checkpoint(checkpoint, written, storage_options))
 
@@ -68,6 +68,10 @@ def without_resume_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in checkpoint.items() if key not in RESUME_STATE}
 
 
+def name_alone(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"), NAME_ONLY: 1}
+
+
 def save_beside(path: Path, save: Callable[[Path], None]) -> None:
     """`save` to a new file beside `path`, then renamed over it: a hard link to the file it replaces keeps the old."""
     written = path.with_name(f".{path.name}.part")
@@ -80,6 +84,13 @@ def strip(path: Path) -> None:
     state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # the tensors read as they are saved
     if state.keys() & set(RESUME_STATE):
         save_beside(path, lambda written: torch.save(without_resume_state(state), written))
+
+
+def keep_name_alone(path: Path) -> None:
+    """Save checkpoint `path` again with its epoch and step alone, once it is read for its name alone (footprint.py)."""
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if NAME_ONLY not in state:
+        save_beside(path, lambda written: torch.save(name_alone(state), written))
 
 
 def last_epoch(trainer: L.Trainer) -> bool:

@@ -9,14 +9,16 @@ are deleted once its checks have read them, before a later wave writes its own (
    bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
 2. From the first wave's checkpoints (FROM_FIRST), early so that the states they resume from go early: mid-epoch
    resumes on the other device count (2 -> 1 from a checkpoint the 2-device run wrote with its tensors tagged as
-   on GPUs, a wave of its own; then 1 -> 2), `validate`, `test` and `predict` on 1 and 2 devices (those the module
-   defines a step for), and `fit --ckpt_path last` continuing a finished run.
+   on GPUs, a wave of its own, which deletes it once restored; then 1 -> 2), `validate`, `test` and `predict` on 1
+   and 2 devices (those the module defines a step for), and `fit --ckpt_path last` continuing a copy of the
+   1-device run stopped where 1 -> 2 starts (its last.ckpt that state: one complete state for both).
 3. The one-step runs (check_onestep.py): from the 1-device run's states, single steps on 1 and 2 devices in
    float32 and on 1 device in float64, then, once float32's records are gone, on 1 and 2 devices in bf16-mixed.
-4. The others: `torchrun`, gradient accumulation on 2 devices x 2 micro-batches (not for a module that optimizes
-   manually), two torchrun "nodes", sharded training when the module shards (the library's model_parallel preset,
-   compared with 1 device in float32), when the model takes one, 1 and 2 devices with a warmup + cosine
-   learning-rate schedule, and a 2-node SLURM job that is signalled, requeued and resumed.
+4. The others, in two waves (fewer runs' weights at once): `torchrun`, gradient accumulation on 2 devices x 2
+   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the module
+   shards (the library's model_parallel preset, compared with 1 device in float32); then, when the model takes one,
+   1 and 2 devices with a warmup + cosine learning-rate schedule, and a 2-node SLURM job that is signalled,
+   requeued and resumed.
 And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
 (`2dev-fp64-again`): how far two identical runs end apart (bounds.run_to_run); only when a one-step check is over
 its bound, the one-step runs again from nudged states (`step-...-nudged`: its second look, check_onestep.py).
@@ -41,7 +43,7 @@ import torch
 
 from .. import presets
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
-from .footprint import remove_checkpoints
+from .footprint import KEEP_CHECKPOINTS, remove_checkpoints
 from .helpers import main_py
 from .runs import (
     FROM_FIRST,
@@ -63,7 +65,11 @@ from .runs import (
 )
 
 SCHEDULED = ("1dev-lr-fp64", "2dev-lr-fp64")  # 1 and 2 devices with a warmup + cosine schedule
-OTHERS = ("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32", *SCHEDULED, "slurm-requeue")
+# The others, in two waves: the second's SLURM job holds a complete state (its requeue checkpoint) besides its weights.
+OTHERS_WAVES = (
+    ("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32"),
+    (*SCHEDULED, "slurm-requeue"),
+)
 # The runs of 2 processes whose name says no "2dev" (each takes 2 of the machine's slots: slots.py).
 TWO_PROCESSES = {"resume-1to2", "torchrun-fp64", "torchrun-nodes", "sharded", "slurm-requeue"}
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
@@ -84,10 +90,9 @@ def schedule_args(steps: dict) -> list[str]:
 def run_args(
     steps: dict,
     resumed_at: int | None = None,
-    rank_weights: bool = False,
     saves: tuple[int, ...] = (),
     fingerprints: bool = False,
-    continued: bool = False,
+    consumes: bool = False,
     on_gpu: bool = False,
     best_by_name: bool = False,
 ) -> list[str]:
@@ -98,21 +103,19 @@ def run_args(
     those steps, the best is kept (with `best_by_name`, for its name alone: no tensors), an extra checkpoint per epoch
     is written for its name alone (the checks compare the files 1 and 2 devices write), and which parameter elements got
     no gradient is recorded (parity_probe.GradientPeaks); with `on_gpu`, the state at `resumed_at` is written with its
-    tensors tagged as on cuda:0, as on GPUs. last.ckpt is complete only with `continued` (a copy of the run is
-    continued). Each rank's final weights only with `rank_weights`; each rank's fingerprints of its datasets, compared
-    before training, only with `fingerprints`."""
+    tensors tagged as on cuda:0, as on GPUs. With `consumes`, the checkpoint the run resumes from is deleted once
+    restored, unless DDPKIT_KEEP_CHECKPOINTS is set. Each rank's fingerprints of its datasets, compared before
+    training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
         FLOAT64_THROUGHOUT,
         "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
     ]
-    if rank_weights:
-        args.append("--trainer.callbacks.rank_weights=true")
     if fingerprints:
         args.append("--trainer.callbacks.fingerprint_data=true")
-    if continued:
-        args.append("--trainer.callbacks.continued=true")
+    if consumes and not os.environ.get(KEEP_CHECKPOINTS):
+        args.append("--trainer.callbacks.consume=true")
     if on_gpu:
         args.append(f"--trainer.callbacks.on_gpu_at=[{global_step(steps, resumed_at)}]")
     if resumed_at is None:  # nor the project's best checkpoint: only the 2 runs resumed from are read for theirs
@@ -193,8 +196,8 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
 
     csv = "--trainer.logger+=CSVLogger"  # a second logger, at full float64 precision
     # The runs FROM_FIRST resumes (1 device from 1 global batch into epoch 1, 2 devices from 3/4 into epoch 0, a
-    # state written as on GPUs); the 1-device run saves the one-step runs' states too, and is continued.
-    one = dict(resumed_at=steps["one_to_two"], saves=tuple(steps["step_points"]), fingerprints=True, continued=True)
+    # state written as on GPUs); the 1-device run saves the one-step runs' states too.
+    one = dict(resumed_at=steps["one_to_two"], saves=tuple(steps["step_points"]), fingerprints=True)
     two = dict(resumed_at=steps["two_to_one"], fingerprints=True, on_gpu=True, best_by_name=True)
     first = {
         "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, **one))),
@@ -227,7 +230,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             jobs[name] = run(name, cmd, ranks=devices)
         return jobs
 
-    def others(runs: Waves) -> dict:
+    def others(runs: Waves, names: tuple[str, ...]) -> dict:
         jobs = {
             "torchrun-fp64": run("torchrun-fp64", torchrun_cmd(*fit(steps, "cpu", 2, "64-true"))),
             "torchrun-nodes": lambda: torchrun_nodes_job(base / "torchrun-nodes", cluster_args(steps)),
@@ -244,14 +247,15 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             lr = (*schedule_args(steps), csv)
             for n, name in enumerate(SCHEDULED, start=1):
                 jobs[name] = run(name, main_cmd(*fit(steps, "cpu", n, "64-true", *lr)), ranks=n)
-        return jobs
+        return {name: job for name, job in jobs.items() if name in names}
 
     def from_two(runs: Waves) -> dict:
-        try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs
+        try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs, read by nothing after
             ckpt = runs["2dev-fp64"].resume_state(steps, "two_to_one")
         except AssertionError as error:
             return {"resume-2to1": failed(error)}
-        return {"resume-2to1": run("resume-2to1", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt))))}
+        resume = fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt), consumes=True)
+        return {"resume-2to1": run("resume-2to1", main_cmd(*resume))}
 
     def from_one(runs: Waves) -> dict:
         try:
@@ -259,14 +263,18 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         except AssertionError as error:
             return dict.fromkeys(FROM_FIRST[1:], failed(error))
         # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
-        # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would. The copies'
-        # checkpoints are hard links, no space taken (`continue` writes its last.ckpt anew, a new file renamed over
-        # the link: slim.SlimIO); the logs, which Lightning rewrites in place (hparams.yaml), are copies.
+        # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would; `continue`
+        # from a copy whose last.ckpt is the state 1 -> 2 resumes from, as a run stopped there would have left it.
+        # The copies' checkpoints are hard links, no space taken (`continue` writes its last.ckpt anew, a new file
+        # renamed over the link: slim.SlimIO); the logs, which Lightning rewrites in place (hparams.yaml), are copies.
         for copy in ("eval", "continue"):
             shutil.copytree(one.root / "lightning_logs", base / copy / "lightning_logs", copy_function=link_checkpoints)
         (base / "eval" / "config.yaml").write_text(PROJECT_CONFIG)
         best, last = best_checkpoint(one), str(one.checkpoint())
         resume_at = str(one.resume_state(steps, "one_to_two"))
+        stopped = base / "continue" / one.checkpoint().relative_to(one.root)
+        stopped.unlink()
+        os.link(resume_at, stopped)
         evaluations = {
             "validate-1dev": run("validate-1dev", main_cmd(*evaluate(steps, "validate", 1, "last")), base / "eval"),
             "test-1dev": run("test-1dev", main_cmd(*evaluate(steps, "test", 1, "best")), base / "eval"),
@@ -279,11 +287,8 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
                 "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)), ranks=forked
             ),
             **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
-            # A finished run continued for one more epoch (fit's own arguments, in a copy of it).
-            "continue": run(
-                "continue",
-                main_cmd(*fit(steps, "cpu", 1, "64-true", "--trainer.max_epochs", "3", "--ckpt_path", "last")),
-            ),
+            # A run stopped 1 global batch into epoch 1 continued to its end (fit's own arguments, in a copy of it).
+            "continue": run("continue", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", "last"))),
         }
 
     waves = [  # in the order their checks come (guarantees.__all__)
@@ -294,7 +299,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         Wave(FROM_FIRST[1:], from_one),
         # The one-step runs, float32 and the exact step, then bf16-mixed.
         *(Wave(names, lambda runs, names=names: step_jobs(runs, names)) for names in ONE_STEP_WAVES),
-        Wave(OTHERS, others),
+        *(Wave(names, lambda runs, names=names: others(runs, names)) for names in OTHERS_WAVES),
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
         # The one-step runs from nudged states, only when a one-step check is over its bound (its second look).
