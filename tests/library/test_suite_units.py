@@ -483,6 +483,28 @@ def test_a_run_starts_with_the_runs_of_its_wave_the_selected_tests_read():
     assert everything.started == ["c1", "c2"]
 
 
+def test_the_footprint_counts_a_file_a_run_deletes_as_it_starts(tmp_path):
+    """The plugin's Footprint measures before each wave's runs start (Waves.before_start), so that a state a run
+    deletes once restored (resume-2to1's `consume`) is counted at its most: here a 10-byte state beside 4 bytes,
+    then deleted by the next wave's run as it writes 2 (mutation: no measure before a wave starts: 6 at most)."""
+
+    def write(name: str, size: int, delete: str = ""):
+        def job():
+            (tmp_path / delete).unlink() if delete else None
+            (tmp_path / name).write_bytes(b"x" * size)
+            return name
+
+        return job
+
+    first = Wave(("a", "b"), lambda runs: {"a": write("a.ckpt", 10), "b": write("b.ckpt", 4)})
+    second = Wave(("c",), lambda runs: {"c": write("c.ckpt", 2, delete="a.ckpt")})
+    runs, footprint = Waves(tmp_path, [first, second]), Footprint()
+    runs.before_start = footprint.measure
+    assert runs["a"] == "a.ckpt" and runs["c"] == "c.ckpt"
+    footprint.measure(runs)
+    assert footprint.peak == 14 and footprint.written() == (3, 16)
+
+
 def test_every_guarantee_that_reads_runs_declares_them():
     """Each test of the suite that reads the shared runs declares which (runs.reads), so that selecting it starts
     those alone; the schedule's test, selected alone, reads its 2 runs and the first wave's 3, not the 14 of every

@@ -109,6 +109,7 @@ def cpu_runs(request, tmp_path_factory, steps) -> Waves:
     at the end of the session (the logs stay), and the summary says how much they were."""
     runs, footprint = shared_runs(tmp_path_factory.mktemp("runs"), steps, data_gate), Footprint()
     runs.want(runs_read(request.session.items, steps))
+    runs.before_start = footprint.measure  # before resume-2to1 deletes the state it starts from, too
     SESSION_RUNS.append((runs, steps, footprint))
     yield runs
     SESSION_RUNS.clear()

@@ -202,6 +202,8 @@ class Waves:
         self.started: list[str] = []  # in the order they started
         self.stopped = ""  # the gate's reason
         self.gated = gate is None  # the gate has been asked
+        # Called before runs start (the plugin's Footprint.measure): a run may delete a file it starts from (waves.py).
+        self.before_start: Callable[[Waves], None] = lambda runs: None
 
     def want(self, names: set[str] | None) -> None:
         """The runs the session's tests read (None: unknown, start every run of a wave)."""
@@ -234,6 +236,7 @@ class Waves:
         return self.wanted is None or name in self.wanted
 
     def _start(self, names: list[str]) -> None:
+        self.before_start(self)
         jobs = {n: self.jobs.pop(n) for n in names}
         self.started += names
         with ThreadPoolExecutor(len(jobs)) as pool:  # each run waits for a slot on this machine (slots.py)
