@@ -51,7 +51,9 @@ class SlimIO(CheckpointIO):
             save_beside(Path(path), lambda written: self.io.save_checkpoint(checkpoint, written, storage_options))
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        # Lightning's own CheckpointIO takes `weights_only` from 2.6 on, and its strategies pass none before.
+        asked = {} if weights_only is None else {"weights_only": weights_only}
+        return self.io.load_checkpoint(path, map_location=map_location, **asked)
 
     def remove_checkpoint(self, path) -> None:
         self.io.remove_checkpoint(path)
