@@ -19,7 +19,7 @@ from .runs import (
     Waves,
     global_step,
 )
-from .slim import keep_name_alone, strip
+from .slim import name_alone, rewrite, without_resume_state
 
 # Set (to anything) to keep the runs' checkpoints after the session, and every one they write, to look into a failure.
 KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
@@ -50,7 +50,7 @@ class Footprint:
         self.peak = 0
         self.freed: set[str] = set()  # the folders whose checkpoints are deleted
         self.model_bytes = 0  # the model's float64 weights, read from the 1-device float64 run before its deletion
-        self.stripped: set[Path] = set()
+        self.rewritten: set[Path] = set()
 
     def measure(self, runs: Waves) -> None:
         now = {}
@@ -90,15 +90,14 @@ class Footprint:
             for file in files:
                 file.unlink(missing_ok=True)
             self.freed |= set(freed)
-        states = [f for f in resumed_no_more(runs, kept, steps) if f not in self.stripped and f.is_file()]
-        bests = [f for f in loaded_no_more(runs, kept) if f not in self.stripped]
-        if states or bests:
+        lighter = {f: without_resume_state for f in resumed_no_more(runs, kept, steps)}
+        lighter |= {f: name_alone for f in loaded_no_more(runs, kept)}
+        lighter = {f: make for f, make in lighter.items() if f not in self.rewritten and f.is_file()}
+        if lighter:
             self.measure(runs)
-            for state in states:
-                strip(state)
-            for best in bests:
-                keep_name_alone(best)
-            self.stripped |= {*states, *bests}
+            for file, make in lighter.items():
+                rewrite(file, make)
+            self.rewritten |= set(lighter)
         return freed
 
 

@@ -81,18 +81,13 @@ def save_beside(path: Path, save: Callable[[Path], None]) -> None:
     os.replace(written, path)
 
 
-def strip(path: Path) -> None:
-    """Save checkpoint `path` again without RESUME_STATE, once no run resumes from it (footprint.py)."""
+def rewrite(path: Path, lighter: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Save checkpoint `path` again as `lighter` makes it (without_resume_state once no run resumes from it,
+    name_alone once it is read for its name alone: footprint.py), unless that changes nothing."""
     state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # the tensors read as they are saved
-    if state.keys() & set(RESUME_STATE):
-        save_beside(path, lambda written: torch.save(without_resume_state(state), written))
-
-
-def keep_name_alone(path: Path) -> None:
-    """Save checkpoint `path` again with its epoch and step alone, once it is read for its name alone (footprint.py)."""
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    if NAME_ONLY not in state:
-        save_beside(path, lambda written: torch.save(name_alone(state), written))
+    light = lighter(state)
+    if light.keys() != state.keys():
+        save_beside(path, lambda written: torch.save(light, written))
 
 
 def last_epoch(trainer: L.Trainer) -> bool:
