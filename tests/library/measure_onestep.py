@@ -3,13 +3,13 @@
     python tests/library/measure_onestep.py MODEL DATA SEEDS... [-- main.py arguments]
     python tests/library/measure_onestep.py --report FOLDER...
 
-For each seed: a float64 1-device fit of test_model_families.py's data (4 global batches of 32 an epoch) that saves
-its state after global batches 1, 4 and 5 and its gradients' peaks, then the one-step runs (parity_probe.OneStep) of
-global batches 0 (trained, not judged), 1, 4 and 5: in float32 and in bf16-mixed on 1 and on 2 devices, and on 1
-device in float64 (each step's own rounding). Prints, per precision and kind (gradient, after the step, logged), the
-factor over that rounding which 2 devices needed (check_onestep.step_verdicts; the worst tensor of any point): the
-numbers behind ONE_STEP_FACTOR (docs/measurements.md, "The one-step check"). --report prints them again for the
-folders of earlier runs.
+For each seed: a float64 1-device fit of test_model_families.py's data (4 global batches of 32 an epoch) that saves its
+state after global batches 1, 4 and 5 (as the suite's: weights alone, in float32) and its gradients' peaks, then the
+one-step runs (parity_probe.OneStep) of global batches 0 (trained, not judged), 1, 4 and 5: in float32 and in bf16-mixed
+on 1 and on 2 devices, and on 1 device in float64 (each step's own rounding). Prints, per precision and kind (gradient,
+after the step, logged), the factor over that rounding which 2 devices needed (check_onestep.step_verdicts; the worst
+tensor of any point): the numbers behind ONE_STEP_FACTOR (docs/measurements.md, "The one-step check"). --report prints
+them again for the folders of earlier runs.
 """
 
 import math
@@ -46,6 +46,7 @@ def measure(model: str, data: str, seeds: list[int], extra: list[str]) -> Path:
     for seed in seeds:
         saving = ["--trainer.callbacks+=ddpkit.testing.parity_probe.Probe", "--trainer.callbacks.resumable=true",
                   f"--trainer.callbacks.save_at_steps=[1,{N},{N + 1}]",
+                  f"--trainer.callbacks.weights_at=[1,{N},{N + 1}]",
                   "--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks", *extra]  # fmt: skip
         states = fit(base / f"{seed}-fp64", model, data, seed, 1, "64-true", saving) / "probe"
         replay = ["--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep", f"--trainer.callbacks.states={states}",

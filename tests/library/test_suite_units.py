@@ -398,12 +398,12 @@ def test_a_runs_checkpoints_go_once_no_later_test_reads_it_nor_a_run_that_starts
 
 @pytest.mark.parametrize("steps_per_batch", [1, 2])
 def test_a_complete_state_keeps_its_weights_alone_once_no_run_resumes_from_it(tmp_path, steps_per_batch):
-    """Footprint.release saves the 1-device float64 run's resume state again without the optimizer's state once
-    resume-1to2 and `continue` (from a copy holding it as last.ckpt, a hard link that keeps the complete file) have
-    run, while it is still a one-step state, unless a global batch takes several optimizer steps (then the one-step
-    runs load the optimizer's state); and its best checkpoint with its epoch and step alone once neither evaluation
-    that loads it is left (test-1dev, test-2dev). Mutations: stripping before `continue` or resume-1to2 has run, or
-    with 2 steps a batch, or the best before test-2dev has run, fail here."""
+    """Footprint.release saves the 1-device float64 run's resume state again without the optimizer's state, its weights
+    in float32, once resume-1to2 and `continue` (from a copy holding it as last.ckpt, a hard link that keeps the
+    complete file) have run, while it is still a one-step state, unless a global batch takes several optimizer steps
+    (then the one-step runs load the optimizer's state); and its best checkpoint with its epoch and step alone once
+    neither evaluation that loads it is left (test-1dev, test-2dev). Mutations: stripping before `continue` or
+    resume-1to2 has run, or with 2 steps a batch, or the best before test-2dev has run, fail here."""
     runs, footprint = Waves(tmp_path, []), Footprint()
     steps = {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_epoch": 4}
     steps |= {"steps_per_batch": steps_per_batch, "manual_optimization": False}
@@ -429,6 +429,10 @@ def test_a_complete_state_keeps_its_weights_alone_once_no_run_resumes_from_it(tm
     footprint.release(runs, {"1dev-fp64", "step-1dev-fp32"}, steps)
     assert keys() == [light if steps_per_batch == 1 else full, full, name]
     assert torch.load(resume, weights_only=True)["state_dict"]["w"].tolist() == [0, 1, 2, 3]
+    # A one-step state in float32 (slim.one_step_state; mutation: without_resume_state alone), the copy untouched.
+    single = torch.float32 if steps_per_batch == 1 else torch.float64
+    assert torch.load(resume, weights_only=True)["state_dict"]["w"].dtype == single
+    assert torch.load(tmp_path / "copy.ckpt", weights_only=True)["state_dict"]["w"].dtype == torch.float64
     assert torch.load(best, weights_only=True)["global_step"] == 5 * steps_per_batch
     assert sorted(torch.load(one.checkpoint(), weights_only=False)) == light  # the weights the checks compare
     assert not list(tmp_path.rglob("*.part"))
@@ -891,7 +895,8 @@ def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone
     last.ckpt, waves.py) keeps its bytes, whatever the CheckpointIO it wraps does (here one that writes in place;
     mutation: SlimIO writing to the path itself); it tags every tensor of a file matching `cuda` as stored on
     cuda:0, no other file's (mutation: ignoring `cuda`), and writes a file matching `names` with its epoch and step
-    alone (mutation: ignoring `names`)."""
+    alone (mutation: ignoring `names`), and a file matching `single` with its float64 tensors as float32, its
+    integer ones as they are (mutation: ignoring `single`)."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     from ddpkit.testing.slim import SlimIO
@@ -900,7 +905,7 @@ def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone
         def save_checkpoint(self, checkpoint, path, storage_options=None):
             torch.save(checkpoint, path)
 
-    io = SlimIO(InPlace(), full=["step*.ckpt"], cuda=["step3.ckpt"], names=["epoch=*.ckpt"])
+    io = SlimIO(InPlace(), full=["step*.ckpt"], cuda=["step3.ckpt"], names=["epoch=*.ckpt"], single=["step4.ckpt"])
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
     os.link(tmp_path / "last.ckpt", tmp_path / "copy.ckpt")
     io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "last.ckpt")
@@ -908,12 +913,18 @@ def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w"].tolist() == [0, 0]
     locations = {"step3.ckpt": [], "step4.ckpt": []}
     for name, seen in locations.items():
-        state = {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [{"m": torch.ones(1)}]}
-        io.save_checkpoint(state, tmp_path / name)
+        weights = {"w": torch.ones(2, dtype=torch.float64), "n": torch.tensor(3)}
+        io.save_checkpoint({"state_dict": weights, "optimizer_states": [{"m": torch.ones(1)}]}, tmp_path / name)
         torch.load(
             tmp_path / name, map_location=lambda storage, at, seen=seen: seen.append(at) or storage, weights_only=True
         )
-    assert locations == {"step3.ckpt": ["cuda:0"] * 2, "step4.ckpt": ["cpu"] * 2}
+    assert locations == {"step3.ckpt": ["cuda:0"] * 3, "step4.ckpt": ["cpu"] * 3}
+    saved = {name: torch.load(tmp_path / name, map_location="cpu", weights_only=True) for name in locations}
+    dtypes = {name: {k: t.dtype for k, t in state["state_dict"].items()} for name, state in saved.items()}
+    assert dtypes == {
+        "step3.ckpt": {"w": torch.float64, "n": torch.int64},
+        "step4.ckpt": {"w": torch.float32, "n": torch.int64},
+    }
     io.save_checkpoint({"epoch": 1, "global_step": 8, "state_dict": {"w": torch.ones(2)}}, tmp_path / "epoch=1.ckpt")
     assert torch.load(tmp_path / "epoch=1.ckpt", weights_only=True) == {"epoch": 1, "global_step": 8, NAME_ONLY: 1}
     files = ["copy.ckpt", "epoch=1.ckpt", "last.ckpt", "step3.ckpt", "step4.ckpt"]
@@ -922,7 +933,8 @@ def test_a_slim_save_replaces_the_file_tags_the_gpu_resume_state_and_names_alone
 
 def test_a_tied_weights_gradient_is_recorded_once_under_each_name():
     """OneStep's record holds a tied weight's gradient under each of its names as one tensor, which torch.save
-    writes once (mutation: a copy per name doubles GPT-2's embedding in every one-step record)."""
+    writes once (mutation: a copy per name doubles GPT-2's embedding in every one-step record); a float64 gradient
+    (the exact step's) as the float32 nearest it (mutation: kept in float64)."""
     import io
 
     from ddpkit.testing.parity_probe import OneStep
@@ -940,6 +952,11 @@ def test_a_tied_weights_gradient_is_recorded_once_under_each_name():
     saved = io.BytesIO()
     torch.save(grads, saved)
     assert saved.getbuffer().nbytes < 2 * embed.weight.nbytes
+    module.double()
+    head(embed(torch.tensor([1, 2]))).sum().backward()
+    probe.on_before_optimizer_step(None, module, None)
+    exact = probe.current["grads"][-1]["head.weight"]
+    assert exact.dtype == torch.float32 and torch.equal(exact, embed.weight.grad.float())
 
 
 def test_each_probe_fit_starts_with_the_earlier_ones_freed(monkeypatch):
@@ -996,3 +1013,24 @@ def test_a_consuming_run_deletes_the_checkpoint_it_resumed_from_once_restored(tm
     trained = json.loads((tmp_path / "resumed" / "probe" / "fit-rank0.json").read_text())["train"]
     assert resumed.global_step == 4 and [step["step"] for step in trained] == [3, 4]  # epoch 1's, from the state
     assert state.is_file() is not consume
+
+
+def test_the_one_step_states_hold_float32_weights_and_a_resume_state_all_of_float64(tmp_path):
+    """Probe(resumable=True) in a float64 fit writes its states at `weights_at` (the one-step check's) without the
+    optimizer's state and with float32 weights, and the others (which runs resume from) complete, in float64.
+    Mutation: a Probe that does not pass its `single` patterns to SlimIO fails here."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ddpkit.testing.parity_probe import Probe
+
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, precision="64-true",
+        callbacks=[Probe(save_at_steps=[1, 2, 3], resumable=True, weights_at=[1, 3])],
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    saved = {k: torch.load(tmp_path / "probe" / f"step{k}.ckpt", weights_only=False) for k in (1, 2, 3)}
+    dtypes = {k: {t.dtype for t in state["state_dict"].values()} for k, state in saved.items()}
+    assert dtypes == {1: {torch.float32}, 2: {torch.float64}, 3: {torch.float32}}
+    assert ["optimizer_states" in state for state in saved.values()] == [False, True, False]

@@ -7,10 +7,13 @@ compound. The first wave's 1-device float64 run saves its state (weights, buffer
 optimizer's and schedule's only where a global batch takes several optimizer steps, whose later gradients follow the
 earlier updates) after global batches 1, n and n + 1 (n an epoch's); runs on 1 and on 2 devices in float32 and in
 bf16-mixed, and one on 1 device in float64, train global batches 0 and 1 of each of 2 epochs, loading before each the
-state saved there (parity_probe.OneStep): the same samples on any device count. The float64 run's step is the exact
-one: how far the 1-device step in float32 (bf16) is from it is that step's own rounding. At global batches 1, n and
-n + 1, per tensor, 2 devices are within ONE_STEP_FACTOR x that rounding (at least one unit of the precision) of 1
-device, as the norm of the difference over the tensor's elements:
+state saved there (parity_probe.OneStep): the same samples on any device count. The states hold float32 weights, but
+where they keep the optimizer's (the float32 and bf16 runs would load no other numbers), so the float64 run's step is
+the exact one from the same state; its gradient is recorded as the float32 nearest it, and how far the 1-device step in
+float32 (bf16) is from that is the step's own rounding (half the bytes on disk; a float32 tensor's bound moves by a
+factor within [2/3, 3/2] for it, since that rounding is at most half the floor below, and bf16's by less than 1/2^16).
+At global batches 1, n and n + 1, per tensor, 2 devices are within ONE_STEP_FACTOR x that rounding (at least one unit of
+the precision) of 1 device, as the norm of the difference over the tensor's elements:
 - the gradient each optimizer step sees, after the all-reduce;
 - the buffers after the step (BatchNorm's statistics and counts; and any parameter nothing trained), against the
   rounding of what the step changed (float64's change of the same state against this precision's; at least one

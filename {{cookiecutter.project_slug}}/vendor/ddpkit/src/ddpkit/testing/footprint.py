@@ -19,7 +19,7 @@ from .runs import (
     Waves,
     global_step,
 )
-from .slim import name_alone, rewrite, without_resume_state
+from .slim import name_alone, one_step_state, rewrite
 
 # Set (to anything) to keep the runs' checkpoints after the session, and every one they write, to look into a failure.
 KEEP_CHECKPOINTS = "DDPKIT_KEEP_CHECKPOINTS"
@@ -69,10 +69,10 @@ class Footprint:
         """Delete the checkpoints of the runs that have run and that no test still to run reads (`still_read`, from
         their `reads`), directly or through a run that starts from their files and has not run yet (STARTS_FROM; a
         one-step run may run again from nudged states in a test that reads it); the logs and records stay. Of a run
-        still read, the files that only other runs needed (`parts`), the optimizer's state in the complete states
-        no run resumes from any more (`resumed_no_more`), and the tensors of the best checkpoint no run loads any more
-        (`loaded_no_more`). Return the folders freed. None (a test that uses the runs
-        declares nothing): nothing is freed."""
+        still read, the files that only other runs needed (`parts`), the complete states no run resumes from any more
+        (`resumed_no_more`: then one-step states, slim.one_step_state), and the tensors of the best checkpoint no run
+        loads any more (`loaded_no_more`). Return the folders freed. None (a test that uses the runs declares nothing):
+        nothing is freed."""
         if still_read is None:
             return []
         kept = set(still_read)
@@ -90,7 +90,7 @@ class Footprint:
             for file in files:
                 file.unlink(missing_ok=True)
             self.freed |= set(freed)
-        lighter = {f: without_resume_state for f in resumed_no_more(runs, kept, steps)}
+        lighter = {f: one_step_state for f in resumed_no_more(runs, kept, steps)}
         lighter |= {f: name_alone for f in loaded_no_more(runs, kept)}
         lighter = {f: make for f, make in lighter.items() if f not in self.rewritten and f.is_file()}
         if lighter:
@@ -133,9 +133,9 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
 
 
 def resumed_no_more(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
-    """The 1-device float64 run's resume state (still read for its weights by the one-step runs) once no run resumes
-    from it any more (RESUMED_ONE), where the one-step runs do not load its optimizer's state (a global batch is one
-    optimizer step: waves.run_args)."""
+    """The 1-device float64 run's resume state (still read for its weights by the one-step runs, which load them as
+    float32 or from float32: slim.in_float32) once no run resumes from it any more (RESUMED_ONE), where the one-step
+    runs do not load its optimizer's state (a global batch is one optimizer step: waves.run_args)."""
     one = runs.done.get("1dev-fp64")
     if one is None or kept & RESUMED_ONE or steps["steps_per_batch"] != 1 or steps["manual_optimization"]:
         return []

@@ -86,8 +86,9 @@ class Probe(NoDropout):
         resumable: Keep the optimizer's state in the checkpoints at `save_at_steps`, which other runs resume
             from, but at `weights_at`. Other checkpoints hold the weights and the loops' state (what the checks
             compare and evaluation loads): slim.py.
-        weights_at: Of `save_at_steps`, the steps whose checkpoint holds no optimizer state with `resumable` (the
-            one-step check's states, where it judges the gradient, not the optimizer's update).
+        weights_at: Of `save_at_steps`, the steps whose checkpoint holds no optimizer state with `resumable`, and
+            its float64 weights and buffers as float32 (the one-step check's states, where it judges the gradient, not
+            the optimizer's update, and every run starts from the float32 numbers: slim.in_float32).
         consume: Delete the checkpoint fit resumed from once its states are restored (rank 0): another run's
             resume state that nothing reads after, gone before this run writes its own (footprint.py).
         on_gpu_at: Of `save_at_steps`, the steps whose checkpoint is written with every tensor tagged as stored on
@@ -116,6 +117,7 @@ class Probe(NoDropout):
         self.save_at_steps = set(save_at_steps or ())
         resumes = self.save_at_steps - set(weights_at or ()) if resumable else set()
         self.full, self.consume = [f"step{k}.ckpt" for k in sorted(resumes)], consume
+        self.single = [f"step{k}.ckpt" for k in sorted(self.save_at_steps - resumes)] if resumable else []
         self.cuda, self.names = [f"step{k}.ckpt" for k in sorted(on_gpu_at or ())], list(names_only or ())
         self.best, self.rank_weights, self.fingerprint_data = best, rank_weights, fingerprint_data
         self.record: dict = {"pid": os.getpid(), "batches": {}, "train": [], "val": [], "test": {}}
@@ -125,7 +127,7 @@ class Probe(NoDropout):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
         # last.ckpt once, at fit's end: none of the checks reads an earlier one.
-        slim(trainer, self.full, self.best, last_at_end=True, cuda=self.cuda, names=self.names)
+        slim(trainer, self.full, self.best, last_at_end=True, cuda=self.cuda, names=self.names, single=self.single)
         if self.fingerprint_data and stage == "fit":
             self.compare_data(trainer)
 
@@ -205,7 +207,8 @@ class OneStep(NoDropout):
     that batch: global batch k is the same set of samples on any device count (GlobalBatchSampler), so runs on 1 and
     on N devices take the same step from the same state.
     It records, per global batch, the gradients each optimizer step sees (after the all-reduce and any unscaling:
-    `on_before_optimizer_step`), the buffers and untrained weights before and after the step (of every tensor, a
+    `on_before_optimizer_step`; a float64 one as the float32 nearest it, which is all the float32 and bf16 steps are
+    judged against: check_onestep.py), the buffers and untrained weights before and after the step (of every tensor, a
     digest of the state the step started from), and the scalars the module logged in it; rank 0 writes them to
     probe/onestep.pt, and every rank a digest of its weights after each step and what it logged to
     probe/onestep-rank<r>.json (the ranks of a DDP run hold the same bits).
@@ -264,8 +267,9 @@ class OneStep(NoDropout):
             grads = {}
             for n, p in named:
                 if p.grad is not None:
-                    if id(p) not in copies:
-                        copies[id(p)] = p.grad.detach().clone()
+                    if id(p) not in copies:  # a float64 one (the exact step's) as the float32 nearest it
+                        grad = p.grad.detach()
+                        copies[id(p)] = grad.float() if grad.dtype == torch.float64 else grad.clone()
                     grads[n] = copies[id(p)]
             self.current["grads"].append(grads)
 
@@ -299,7 +303,8 @@ class OneStep(NoDropout):
 
 def nudged(state: dict[str, Tensor], weights: set[str], nudge: float, seed: int) -> dict[str, Tensor]:
     """`state` with each of its `weights` multiplied elementwise by 1 + nudge or 1 - nudge, in its stored precision
-    (the float64 run's: every run then casts the same nudged numbers), by a pattern drawn from `seed` alone."""
+    (float32, or float64 where a state keeps its optimizer's: every run then casts the same nudged numbers), by a
+    pattern drawn from `seed` alone."""
     if not nudge:
         return state
     signs = torch.Generator().manual_seed(seed)

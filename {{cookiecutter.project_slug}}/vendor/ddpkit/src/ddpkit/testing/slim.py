@@ -10,7 +10,10 @@ last.ckpt) may hold a hard link to the original, not a copy (Lightning's own sav
 where it is on the same file system, and copies it in place elsewhere; another CheckpointIO may write in place). The
 resume state a run writes as a GPU would (`cuda`: file-name patterns) is written so in the first place, not copied
 later (fake_cuda.py). A checkpoint that the checks read for its name alone (`names`: the per-epoch ones, which show
-that 2 ranks write one set of files; its saving is Lightning's, on rank 0) holds its epoch and step, no tensors.
+that 2 ranks write one set of files; its saving is Lightning's, on rank 0) holds its epoch and step, no tensors. The
+one-step check's states (`single`) hold float32 weights: its float32 and bf16 runs load them as float32 in any case,
+and its float64 run then takes the exact step from the same numbers (half the bytes, and no rounding of the start
+in what the check takes for the step's own rounding).
 """
 
 import os
@@ -32,12 +35,15 @@ NAME_ONLY = "written by the guarantee suite for its file name alone (ddpkit.test
 
 class SlimIO(CheckpointIO):
     """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`, every tensor
-    tagged as stored on cuda:0 in one that matches `cuda`, only the epoch and step in one that matches `names`, to a
-    new file renamed to `path` (a hard link to the file it replaces is left as it was); with `ends` (a trainer),
-    last.ckpt only in the epoch fit ends with."""
+    tagged as stored on cuda:0 in one that matches `cuda`, only the epoch and step in one that matches `names`, the
+    float64 weights and buffers as float32 in one that matches `single`, to a new file renamed to `path` (a hard link
+    to the file it replaces is left as it was); with `ends` (a trainer), last.ckpt only in the epoch fit ends with."""
 
-    def __init__(self, io: CheckpointIO, full: list[str], ends: L.Trainer | None = None, *, cuda=(), names=()) -> None:
+    def __init__(
+        self, io: CheckpointIO, full: list[str], ends: L.Trainer | None = None, *, cuda=(), names=(), single=()
+    ) -> None:
         self.io, self.full, self.ends, self.cuda, self.names = io, full, ends, list(cuda), list(names)
+        self.single = list(single)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
         name = Path(path).name
@@ -47,6 +53,8 @@ class SlimIO(CheckpointIO):
             checkpoint = without_resume_state(checkpoint)
         if matches(name, self.names):
             checkpoint = name_alone(checkpoint)
+        if matches(name, self.single):
+            checkpoint = in_float32(checkpoint)
         with tagged_as_cuda() if matches(name, self.cuda) else nullcontext():
             save_beside(Path(path), lambda written: self.io.save_checkpoint(checkpoint, written, storage_options))
 
@@ -74,6 +82,19 @@ def name_alone(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"), NAME_ONLY: 1}
 
 
+def in_float32(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """`checkpoint` with its float64 weights and buffers as float32: a one-step state (check_onestep.py), which every
+    one-step run loads, the float32 and bf16 runs as float32 in any case, so the float64 run's exact step starts
+    from the same numbers as theirs."""
+    weights = {k: t.float() if t.dtype == torch.float64 else t for k, t in checkpoint["state_dict"].items()}
+    return {**checkpoint, "state_dict": weights}
+
+
+def one_step_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A complete state that no run resumes from any more, as a one-step state: no RESUME_STATE, in float32."""
+    return in_float32(without_resume_state(checkpoint))
+
+
 def save_beside(path: Path, save: Callable[[Path], None]) -> None:
     """`save` to a new file beside `path`, then renamed over it: a hard link to the file it replaces keeps the old."""
     written = path.with_name(f".{path.name}.part")
@@ -99,13 +120,13 @@ def last_epoch(trainer: L.Trainer) -> bool:
     return steps_done or trainer.current_epoch + 1 >= trainer.max_epochs
 
 
-def slim(trainer: L.Trainer, full: list[str], best: bool, last_at_end: bool = False, *, cuda=(), names=()) -> None:
-    """Have `trainer` save RESUME_STATE only in the files matching `full`, the files matching `cuda` tagged as stored
-    on cuda:0 and those matching `names` for their names alone (SlimIO); with `best` False, its checkpoint callbacks
-    keep no top-k checkpoint (last.ckpt still); with `last_at_end`, last.ckpt is written only when fit ends."""
+def slim(trainer: L.Trainer, full: list[str], best: bool, last_at_end: bool = False, **patterns) -> None:
+    """Have `trainer` save RESUME_STATE only in the files matching `full`, and the files matching the `patterns`
+    (`cuda`, `names`, `single`) as SlimIO says; with `best` False, its checkpoint callbacks keep no top-k checkpoint
+    (last.ckpt still); with `last_at_end`, last.ckpt is written only when fit ends."""
     if not isinstance(trainer.strategy.checkpoint_io, SlimIO):  # setup runs once per stage
         ends = trainer if last_at_end else None
-        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full, ends, cuda=cuda, names=names)
+        trainer.strategy.checkpoint_io = SlimIO(trainer.strategy.checkpoint_io, full, ends, **patterns)
     for callback in trainer.checkpoint_callbacks if not best else ():
         callback.save_top_k = 0
 
