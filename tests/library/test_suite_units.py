@@ -1034,3 +1034,39 @@ def test_the_one_step_states_hold_float32_weights_and_a_resume_state_all_of_floa
     dtypes = {k: {t.dtype for t in state["state_dict"].values()} for k, state in saved.items()}
     assert dtypes == {1: {torch.float32}, 2: {torch.float64}, 3: {torch.float32}}
     assert ["optimizer_states" in state for state in saved.values()] == [False, True, False]
+
+
+def test_a_last_checkpoint_of_the_step_just_saved_is_a_hard_link_to_that_file(tmp_path):
+    """SlimIO writes last.ckpt as a hard link to the checkpoint it saved just before, where that holds the same step
+    and the same kinds of state (Lightning saves the top-k checkpoint, then last.ckpt, from the same state: the
+    1-device run's best and last were two copies of its weights); not where the step or what is kept differs (a
+    last.ckpt that keeps the optimizer's state beside a best without). Mutation: no link fails here."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from ddpkit.testing.slim import SlimIO
+
+    def state(step: int) -> dict:
+        return {
+            "epoch": 1,
+            "global_step": step,
+            "state_dict": {"w": torch.full((2,), float(step))},
+            "optimizer_states": [{}],
+        }
+
+    inode = lambda name: (tmp_path / name).stat().st_ino  # noqa: E731
+    io = SlimIO(TorchCheckpointIO(), full=[])
+    io.save_checkpoint(state(8), tmp_path / "best.ckpt")
+    io.save_checkpoint(state(8), tmp_path / "last.ckpt")
+    assert inode("last.ckpt") == inode("best.ckpt")
+    io.save_checkpoint(state(9), tmp_path / "last.ckpt")  # another step: a file of its own, the best as it was
+    assert inode("last.ckpt") != inode("best.ckpt")
+    loaded = {
+        n: torch.load(tmp_path / n, weights_only=True)["state_dict"]["w"].tolist() for n in ("best.ckpt", "last.ckpt")
+    }
+    assert loaded == {"best.ckpt": [8.0, 8.0], "last.ckpt": [9.0, 9.0]}
+    (tmp_path / "keep").mkdir()
+    io = SlimIO(TorchCheckpointIO(), full=["last.ckpt"])
+    io.save_checkpoint(state(10), tmp_path / "keep" / "best.ckpt")
+    io.save_checkpoint(state(10), tmp_path / "keep" / "last.ckpt")  # keeps the optimizer's state, the best does not
+    assert inode("keep/last.ckpt") != inode("keep/best.ckpt")
+    assert "optimizer_states" in torch.load(tmp_path / "keep" / "last.ckpt", weights_only=True)

@@ -37,13 +37,16 @@ class SlimIO(CheckpointIO):
     """Saves through `io`, without RESUME_STATE in a checkpoint whose file name matches none of `full`, every tensor
     tagged as stored on cuda:0 in one that matches `cuda`, only the epoch and step in one that matches `names`, the
     float64 weights and buffers as float32 in one that matches `single`, to a new file renamed to `path` (a hard link
-    to the file it replaces is left as it was); with `ends` (a trainer), last.ckpt only in the epoch fit ends with."""
+    to the file it replaces is left as it was); with `ends` (a trainer), last.ckpt only in the epoch fit ends with. A
+    last checkpoint of the same step and contents as the checkpoint saved just before it (Lightning saves the top-k
+    one, then last.ckpt, from the same state) is a hard link to that file: one copy of the weights on disk."""
 
     def __init__(
         self, io: CheckpointIO, full: list[str], ends: L.Trainer | None = None, *, cuda=(), names=(), single=()
     ) -> None:
         self.io, self.full, self.ends, self.cuda, self.names = io, full, ends, list(cuda), list(names)
         self.single = list(single)
+        self.saved: tuple[tuple, Path] | None = None  # the last checkpoint saved with tensors: (what it holds, path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
         name = Path(path).name
@@ -55,8 +58,16 @@ class SlimIO(CheckpointIO):
             checkpoint = name_alone(checkpoint)
         if matches(name, self.single):
             checkpoint = in_float32(checkpoint)
+        what = (checkpoint.get("epoch"), checkpoint.get("global_step"), sorted(checkpoint), matches(name, self.cuda))
+        before = self.saved[1] if self.saved and self.saved[0] == what and what[1] is not None else None
+        if name.startswith("last") and before not in (None, Path(path)) and before.is_file():
+            # The loops' and callbacks' states are those of the file linked to, saved a moment before in the same step
+            # (ModelCheckpoint's best_model_path already the new best's): only the weights matter to the checks.
+            save_beside(Path(path), lambda written: os.link(before, written))
+            return
         with tagged_as_cuda() if matches(name, self.cuda) else nullcontext():
             save_beside(Path(path), lambda written: self.io.save_checkpoint(checkpoint, written, storage_options))
+        self.saved = None if NAME_ONLY in checkpoint else (what, Path(path))
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning's own CheckpointIO takes `weights_only` from 2.6 on, and its strategies pass none before.
