@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddpkit.testing import waves
+from ddpkit.testing import commands as suite_commands
 from ddpkit.testing.float64 import Float64Throughout, KeepFloat64, summary
 from ddpkit.testing.parity_probe import sample_keys
 
@@ -141,10 +141,10 @@ def test_every_float64_command_of_the_suite_carries_the_callback():
     without it would round where its reference does not (mutation: dropping it from cluster_args fails here)."""
     steps = {"steps_per_epoch": 4, "steps_per_batch": 1, "step_batches": 2}
     commands = {
-        "fit": waves.fit(steps, "cpu", 2, "64-true"),
-        "one_step": waves.one_step(steps, 1, "64-true", waves.Path("states")),
-        "evaluate": waves.evaluate(steps, "test", 1, "last"),
-        "cluster": waves.cluster_args(steps),
+        "fit": suite_commands.fit(steps, "cpu", 2, "64-true"),
+        "one_step": suite_commands.one_step(steps, 1, "64-true", suite_commands.Path("states")),
+        "evaluate": suite_commands.evaluate(steps, "test", 1, "last"),
+        "cluster": suite_commands.cluster_args(steps),
     }
     for name, cmd in commands.items():
-        assert waves.FLOAT64_THROUGHOUT in cmd, name
+        assert suite_commands.FLOAT64_THROUGHOUT in cmd, name

@@ -30,7 +30,7 @@ from families import write_toy_shards
 
 import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the asserts of the checks imported below
 from ddpkit.testing import bounds, check_data, check_onestep, check_parity
-from ddpkit.testing import waves as suite_waves
+from ddpkit.testing import commands as suite_commands
 from ddpkit.testing.configured import describe
 from ddpkit.testing.helpers import set_project
 from ddpkit.testing.runs import ONE_STEP, ONE_STEP_WAVES, Waves, plan, reference_run
@@ -115,7 +115,7 @@ def suites(tmp_path_factory) -> Iterator[dict[str, Suite]]:
     with pytest.MonkeyPatch.context() as patch:
         # What the suite's commands append (a user's PARITY_ARGS), given to runs.py itself: a variable set in this
         # process would reach the background jobs' processes too (tests/conftest.py).
-        patch.setattr(suite_waves, "parity_args", lambda: list(BUILDING.args))
+        patch.setattr(suite_commands, "parity_args", lambda: list(BUILDING.args))
         for name, args in models.items():
             configured = describe(*COMMON, *args)
             BUILDING.args = [*COMMON, *args]

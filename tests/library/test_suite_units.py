@@ -24,7 +24,17 @@ from ddpkit.testing.parity_probe import NO_GRADIENT as NO_GRADIENT_OF_TOP
 from ddpkit.testing.parity_probe import NO_GRADIENT_FILE as MASKS
 from ddpkit.testing.parity_probe import digests, nudged
 from ddpkit.testing.footprint import Footprint, remove_checkpoints, stored_bytes
-from ddpkit.testing.runs import MID_CHECKPOINT, STEP_RECORDS, Run, Wave, Waves, command, evaluation_runs, failed
+from ddpkit.testing.runs import (
+    FP64_BOUND,
+    MID_CHECKPOINT,
+    STEP_RECORDS,
+    Run,
+    Wave,
+    Waves,
+    command,
+    evaluation_runs,
+    failed,
+)
 from ddpkit.testing.runs import plan, runs_read
 from ddpkit.testing.slim import NAME_ONLY
 
@@ -527,11 +537,11 @@ def test_every_guarantee_that_reads_runs_declares_them():
     assert not undeclared
     steps = plan({"steps_per_epoch": 4, "global_batch_size": 32, "takes_micro_batch_size": True, "stages": []})
     schedule = Item(guarantees.test_lr_schedule_is_the_same_on_1_and_2_devices)
-    assert runs_read([schedule], steps) == {"1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", "1dev-acc4-fp64"}
+    assert runs_read([schedule], steps) == {"1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", FP64_BOUND}
     accumulation = Item(guarantees.test_gradient_accumulation_keeps_the_global_batch, {"run": "2dev-acc2-fp64"})
     eval_test = Item(guarantees.test_eval_metrics_count_each_sample_once, {"stage": "test"})
     assert runs_read([accumulation, eval_test], steps) == {
-        "2dev-acc2-fp64", "1dev-fp64", "2dev-fp64", "1dev-acc4-fp64", "test-1dev", "test-2dev"
+        "2dev-acc2-fp64", "1dev-fp64", "2dev-fp64", FP64_BOUND, "test-1dev", "test-2dev"
     }  # fmt: skip
     assert runs_read([Item(lambda cpu_runs: None)], steps) is None  # undeclared: whole waves
 
@@ -1070,3 +1080,43 @@ def test_a_last_checkpoint_of_the_step_just_saved_is_a_hard_link_to_that_file(tm
     io.save_checkpoint(state(10), tmp_path / "keep" / "last.ckpt")  # keeps the optimizer's state, the best does not
     assert inode("keep/last.ckpt") != inode("keep/best.ckpt")
     assert "optimizer_states" in torch.load(tmp_path / "keep" / "last.ckpt", weights_only=True)
+
+
+def test_the_float64_bound_is_worked_out_once_and_the_reference_kept_until_then(tmp_path):
+    """fp64_bound keeps the bound for the session (Waves.cache): asked again once the reference's weights are gone,
+    it gives the same bound (mutation: no cache fails); Footprint.release keeps the reference's checkpoints while a
+    test left reads the bound and it is not worked out yet, and deletes them after, unless a test left reads the
+    reference's files (`{reference}`: the parity command's tests; mutation: no such rule frees them too early); and a
+    session that reads only the bound starts the reference with the first wave (Waves.wants)."""
+    runs, footprint, steps = Waves(tmp_path, []), Footprint(), {"micro_batch_size": 8}
+    steps |= {"one_to_two": 5, "two_to_one": 3, "step_points": [1, 4, 5], "steps_per_epoch": 4}
+    steps |= {"steps_per_batch": 1, "manual_optimization": False}
+    for name, w in (("1dev-fp64", [2.0, 0.5]), ("2dev-fp64", [2.0, 0.5]), ("1dev-acc4-fp64", [2.0 + 1e-13, 0.5])):
+        runs.done[name] = Run(tmp_path / name, tmp_path / f"{name}.log")
+        runs.done[name].checkpoint().parent.mkdir(parents=True)
+        torch.save({"state_dict": {"w": torch.tensor(w, dtype=torch.float64)}}, runs.done[name].checkpoint())
+    reference = runs.done["1dev-acc4-fp64"].checkpoint()
+    footprint.release(runs, {"1dev-fp64", "2dev-fp64", FP64_BOUND}, steps)
+    assert reference.is_file()  # the bound is not worked out yet
+    bound = fp64_bound(runs, steps)
+    footprint.release(runs, {"1dev-fp64", "2dev-fp64", FP64_BOUND, "1dev-acc4-fp64"}, steps)
+    assert reference.is_file()  # its files still read
+    footprint.release(runs, {"1dev-fp64", "2dev-fp64", FP64_BOUND}, steps)
+    assert not reference.exists() and runs.done["1dev-fp64"].checkpoint().is_file()
+    del runs.done["1dev-acc4-fp64"]
+    assert fp64_bound(runs, steps) is bound and bound.max_rel == pytest.approx(ROUNDING_FACTOR * 0.5e-13)
+    runs.want({"1dev-fp64", FP64_BOUND})
+    runs.rounding_reference = "1dev-acc4-fp64"
+    assert runs.wants("1dev-acc4-fp64") and not runs.wants("2dev-fp64")
+
+
+def test_the_first_wave_runs_the_2_device_run_alone_then_the_1_device_runs_beside_resume_2to1(tmp_path):
+    """The 2-device float64 run's wave holds it alone, and resume-2to1 (which deletes that run's resume state once
+    restored) is in the wave of the 1-device runs, which write their own states after it starts; the FROM_FIRST runs
+    from the 1-device run's states come after, resume-1to2 alone. Mutation: the first wave's three runs together
+    again (the default bake's disk at once: 10.6 x its float64 weights instead of 8.6, docs/measurements.md)."""
+    from ddpkit.testing.waves import shared_runs
+
+    configured = {"steps_per_epoch": 4, "global_batch_size": 32, "takes_micro_batch_size": True, "stages": []}
+    names = [wave.names for wave in shared_runs(tmp_path, plan(configured)).waves]
+    assert names[:3] == [("2dev-fp64",), ("1dev-fp64", "1dev-acc4-fp64", "resume-2to1"), ("resume-1to2",)]

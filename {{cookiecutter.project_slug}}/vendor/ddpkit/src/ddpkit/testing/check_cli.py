@@ -133,7 +133,7 @@ def test_ckpt_path_last_and_best_name_the_file_they_load(cpu_runs, configured):
         assert f"test: --ckpt_path best is {best}\n" in cpu_runs["test-1dev"].output()
 
 
-@reads("continue", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("continue", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory(cpu_runs, steps):
     """A run stopped 1 global batch into epoch 1 (its last.ckpt that state, as a killed run's, saved every few steps,
     would be) continues with `fit --ckpt_path last`: it trains the remaining steps only, logging and checkpointing

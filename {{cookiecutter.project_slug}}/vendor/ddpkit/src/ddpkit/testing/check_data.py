@@ -26,7 +26,7 @@ from .runs import GATED_BY, Waves, comparable, reads
 
 UNUSED_TEST = "test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones"
 DATA_TEST = "test_every_rank_holds_the_same_datasets"
-# The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`).
+# The runs whose ranks fingerprint their datasets (commands.run_args' `fingerprints`).
 ONE, TWO = "1dev-fp64", "2dev-fp64"
 
 

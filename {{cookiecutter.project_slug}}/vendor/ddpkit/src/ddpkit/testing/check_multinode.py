@@ -1,7 +1,7 @@
 """Multi-node launchers on one machine: two torchrun "nodes", a SLURM job, and SLURM's requeue signal.
 
 Each job runs the project's own launch script (cluster/torchrun.sh, cluster/slurm.sbatch) with the first
-wave's float64 training (waves.cluster_args) and must end with the 1-device run's weights. The SLURM job is
+wave's float64 training (commands.cluster_args) and must end with the 1-device run's weights. The SLURM job is
 signalled to requeue in its second epoch and then requeued, as SLURM would (fake_cluster.slurm_requeue_job).
 """
 
@@ -46,7 +46,7 @@ def assert_same_weights(weights: dict[str, torch.Tensor], cpu_runs, global_batch
         assert_within(two, weights, bound, f"{name} vs 2dev (bit-identical expected unless identical runs differ)")
 
 
-@reads("torchrun-nodes", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("torchrun-nodes", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
     """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost) matches 1 device, and 2
     devices bit for bit."""
@@ -61,7 +61,7 @@ def test_two_torchrun_nodes_train_the_same_weights_as_one_device(cpu_runs, globa
     )
 
 
-@reads("slurm-requeue", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("slurm-requeue", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, global_batch, steps):
     """cluster/slurm.sbatch under a 2-node SLURM job's variables: Lightning takes ranks from SLURM in the job and
     in its requeued run, and the requeued run, resumed mid-epoch, ends with 1 device's weights."""

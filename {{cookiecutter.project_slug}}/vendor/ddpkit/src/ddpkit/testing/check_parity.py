@@ -47,7 +47,7 @@ from .plugin import GPU_PRECISIONS
 from .runs import MID_CHECKPOINT, Run, Waves, comparable, global_step, reads, reference_run
 
 
-@reads("1dev-fp64", "2dev-fp64", "{reference}")
+@reads("1dev-fp64", "2dev-fp64", "{bound}")
 def test_weights_match_1_vs_2_devices(cpu_runs, steps):
     """After 2 epochs in float64 every parameter matches within the bound the model's own rounding sets."""
     comparable(steps)
@@ -56,7 +56,7 @@ def test_weights_match_1_vs_2_devices(cpu_runs, steps):
     assert_weights_close(one, two, fp64_bound(cpu_runs, steps))
 
 
-@reads("1dev-fp64", "2dev-fp64", "{reference}")
+@reads("1dev-fp64", "2dev-fp64", "{bound}")
 def test_logged_scalars_match_every_step(cpu_runs, steps):
     """Every TensorBoard tag the module logs, at every step it logs it, matches 1 device in float64 within the bound
     the model's own rounding sets (scalars_bound)."""
@@ -119,13 +119,12 @@ def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
         pytest.skip(f"{steps['steps_per_epoch']} steps per epoch: the resume points fall on epoch ends")
     same_samples(steps)  # a loader of the user's keeps no position: its sentence, not a KeyError
     k = steps["two_to_one"]
-    path = cpu_runs["2dev-fp64"].resume_state(steps, "two_to_one")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "global_batches_done": k}]
+    position = cpu_runs["2dev-fp64"].resume_facts(steps, "two_to_one")["combined_loader"]
+    assert position == [{"epoch": 0, "global_batches_done": k}]
 
 
 @pytest.mark.parametrize(("run", "start"), [("resume-2to1", "two_to_one"), ("resume-1to2", "one_to_two")])
-@reads("{run}", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("{run}", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, steps, run, start):
     """2 devices' checkpoint from 3/4 into epoch 0 resumed on 1 device, and 1 device's from 1 global batch into epoch
     1 resumed on 2: each trains only the remaining steps and ends with the uninterrupted weights."""
@@ -137,14 +136,12 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
 
 
-@reads("resume-2to1", "1dev-fp64", "2dev-fp64", "{reference}", MID_CHECKPOINT)
+@reads("resume-2to1", "1dev-fp64", "2dev-fp64", "{bound}", MID_CHECKPOINT)
 def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     """A checkpoint whose tensors are tagged cuda:0 (as saved on a GPU) resumes on CPU (resume-2to1 started from
-    one): every tensor in the file says cuda:0, and the resumed run ends with the uninterrupted weights. The file is
-    read before the run starts: the run deletes it once restored (waves.run_args' `consumes`)."""
-    locations = []
-    path = cpu_runs["2dev-fp64"].resume_state(steps, "two_to_one")
-    torch.load(path, map_location=lambda s, loc: locations.append(loc) or s, weights_only=False)  # hyperparameters too
+    one): every tensor in the file says cuda:0 (hyperparameters too), and the resumed run ends with the uninterrupted
+    weights. The file is read before the run starts (Run.resume_facts): the run deletes it once restored."""
+    locations = cpu_runs["2dev-fp64"].resume_facts(steps, "two_to_one")["locations"]
     assert locations and set(locations) == {"cuda:0"}
     resumed = cpu_runs["resume-2to1"]
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
@@ -153,7 +150,7 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
 
 
 @pytest.mark.parametrize("run", ["1dev-acc4-fp64", "2dev-acc2-fp64"])
-@reads("{run}", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("{run}", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
     """1 device x 4 micro-batches and 2 devices x 2 (micro-batch = global / 4) train 1 device's weights: the
     first differs by rounding only (it is the float64 bounds' rounding reference), the second within the bound."""
@@ -176,7 +173,7 @@ def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
         assert_weights_close(cpu_runs["1dev-fp64"], accumulated, fp64_bound(cpu_runs, steps))
 
 
-@reads("torchrun-fp64", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("torchrun-fp64", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs, steps):
     """`torchrun --nproc_per_node=2 main.py fit` runs 2 ranks and trains the same weights and logs."""
     comparable(steps)
@@ -187,7 +184,7 @@ def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs, steps):
     assert_scalars_close(cpu_runs["1dev-fp64"], torchrun, scalars_bound(cpu_runs, steps))
 
 
-@reads("1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", "{reference}")
+@reads("1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
     """A warmup + cosine schedule steps per optimizer step: 1 and 2 devices log the same learning rate at every
     step (it rises through the warmup, then falls) and end with the same weights (float64 bound)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .runs import (
+    FP64_BOUND,
     FROM_FIRST,
     MID_CHECKPOINT,
     ONE_STEP,
@@ -18,6 +19,7 @@ from .runs import (
     STEP_RECORDS,
     Waves,
     global_step,
+    reference_run,
 )
 from .slim import name_alone, one_step_state, rewrite
 
@@ -76,6 +78,8 @@ class Footprint:
         if still_read is None:
             return []
         kept = set(still_read)
+        if FP64_BOUND in kept and FP64_BOUND not in runs.cache:  # the reference's weights until it is worked out
+            kept.add(reference_run(steps))
         for name in still_read:
             if name not in runs.done or name in ONE_STEP:
                 kept |= set(STARTS_FROM.get(name, ()))
@@ -135,7 +139,7 @@ def parts(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
 def resumed_no_more(runs: Waves, kept: set[str], steps: dict) -> list[Path]:
     """The 1-device float64 run's resume state (still read for its weights by the one-step runs, which load them as
     float32 or from float32: slim.in_float32) once no run resumes from it any more (RESUMED_ONE), where the one-step
-    runs do not load its optimizer's state (a global batch is one optimizer step: waves.run_args)."""
+    runs do not load its optimizer's state (a global batch is one optimizer step: commands.run_args)."""
     one = runs.done.get("1dev-fp64")
     if one is None or kept & RESUMED_ONE or steps["steps_per_batch"] != 1 or steps["manual_optimization"]:
         return []

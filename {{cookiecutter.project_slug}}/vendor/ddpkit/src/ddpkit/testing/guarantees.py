@@ -54,8 +54,9 @@ from .check_sharded import (
 
 # pytest collects the star-imported tests in this order: first what must hold before runs can be compared, then the
 # checks of each wave's runs, wave by wave (waves.py): the first wave's, those that start from its checkpoints, the
-# one-step runs', the others'. A run's checkpoints are deleted once no later test reads it
-# (plugin.pytest_runtest_teardown), so a wave's are gone before a later wave writes its own.
+# others that read the rounding reference's files, the one-step runs', the SLURM job's. A run's checkpoints are
+# deleted once no later test reads it (plugin.pytest_runtest_teardown), so a wave's are gone before a later wave
+# writes its own.
 __all__ = [
     "test_every_parameter_gets_a_gradient_or_ddp_looks_for_unused_ones",
     "test_every_rank_holds_the_same_datasets",
@@ -83,17 +84,18 @@ __all__ = [
     "test_other_subcommands_run_from_a_checkpoint",
     "test_ckpt_path_last_and_best_name_the_file_they_load",
     "test_fit_ckpt_path_last_continues_the_newest_run_in_its_directory",
+    # the others that read the rounding reference's files, in two waves
+    "test_compare_command_passes_two_torchrun_nodes_against_one_process",
+    "test_two_torchrun_nodes_train_the_same_weights_as_one_device",
+    "test_lr_schedule_is_the_same_on_1_and_2_devices",
+    "test_compare_command_fails_another_learning_rate",
+    "test_gradient_accumulation_keeps_the_global_batch",
+    "test_torchrun_matches_lightning_launcher_and_1_device",
+    "test_sharded_on_two_then_resumed_on_one_device_matches_ddp",
     # the one-step runs
     "test_one_step_from_the_same_state_matches_1_vs_2_devices",
     "test_both_ranks_end_bit_identical",
-    # the others, in two waves
-    "test_gradient_accumulation_keeps_the_global_batch",
-    "test_torchrun_matches_lightning_launcher_and_1_device",
-    "test_compare_command_passes_two_torchrun_nodes_against_one_process",
-    "test_two_torchrun_nodes_train_the_same_weights_as_one_device",
-    "test_sharded_on_two_then_resumed_on_one_device_matches_ddp",
-    "test_lr_schedule_is_the_same_on_1_and_2_devices",
-    "test_compare_command_fails_another_learning_rate",
+    # the SLURM job
     "test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device",
     "test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it",
     # on GPUs (none of the CPU runs)

@@ -253,7 +253,7 @@ class OneStep(NoDropout):
             for n, optimizer in enumerate(trainer.optimizers):
                 if "optimizer_states" in state:  # floating state cast to the parameters' dtype
                     optimizer.load_state_dict(state["optimizer_states"][n])
-                else:  # a state saved without it (waves.run_args): every run's step starts from a fresh optimizer
+                else:  # a state saved without it (commands.run_args): every run's step starts from a fresh optimizer
                     optimizer.state.clear()
             for config, schedule in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
                 config.scheduler.load_state_dict(schedule)

@@ -24,7 +24,8 @@ from .float64 import summary  # noqa: E402
 from .helpers import set_project  # noqa: E402
 from .footprint import KEEP_CHECKPOINTS, Footprint, remove_checkpoints  # noqa: E402
 from .runs import Run, Waves, plan, runs_read  # noqa: E402
-from .waves import fit, main_cmd, parity_args, shared_runs  # noqa: E402
+from .commands import fit, main_cmd, parity_args  # noqa: E402
+from .waves import shared_runs  # noqa: E402
 
 # What the runs wrote, for the session's summary: (checkpoint files, their bytes, the most bytes on disk at once, the
 # model's float64 weights' bytes).

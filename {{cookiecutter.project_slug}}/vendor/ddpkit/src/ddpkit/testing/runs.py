@@ -60,6 +60,18 @@ class Run:
         "one_to_two": plan)."""
         return self.mid_checkpoint(global_step(steps, steps[start]))
 
+    def resume_facts(self, steps: dict, start: str) -> dict:
+        """What the checks read of the resume state at `start`: the train loader's position in it and where each of
+        its tensors says it is stored, read once and kept beside it (a run resuming from it may delete it: consumes)."""
+        facts = self.resume_state(steps, start).with_suffix(".json")
+        if not facts.is_file():
+            at: list[str] = []
+            keep = lambda storage, location: at.append(location) or storage  # noqa: E731
+            state = torch.load(facts.with_suffix(".ckpt"), map_location=keep, weights_only=False)
+            position = state["loops"]["fit_loop"]["state_dict"].get("combined_loader")
+            facts.write_text(json.dumps({"combined_loader": position, "locations": at}, default=repr))
+        return json.loads(facts.read_text())
+
 
 def plan(configured: dict) -> dict:
     """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1 global batch into epoch 1 (the
@@ -202,6 +214,8 @@ class Waves:
         self.started: list[str] = []  # in the order they started
         self.stopped = ""  # the gate's reason
         self.gated = gate is None  # the gate has been asked
+        self.cache: dict = {}  # what the checks work out of the runs once for the session (FP64_BOUND: bounds.py)
+        self.rounding_reference = ""  # the run FP64_BOUND is worked out from (waves.py): wanted where it is
         # Called before runs start (the plugin's Footprint.measure): a run may delete a file it starts from (waves.py).
         self.before_start: Callable[[Waves], None] = lambda runs: None
 
@@ -229,11 +243,13 @@ class Waves:
                 except AssertionError as error:
                     self.failed |= dict.fromkeys(wave.names, str(error))
             if name in self.jobs:
-                self._start([n for n in wave.names if n in self.jobs and (n == name or self._wanted(n))])
+                self._start([n for n in wave.names if n in self.jobs and (n == name or self.wants(n))])
         return self.base / name
 
-    def _wanted(self, name: str) -> bool:
-        return self.wanted is None or name in self.wanted
+    def wants(self, name: str) -> bool:
+        """Whether the session's selected tests read run `name` (every run, when they declared nothing)."""
+        bound = name == self.rounding_reference and FP64_BOUND in (self.wanted or ())
+        return self.wanted is None or name in self.wanted or bound
 
     def _start(self, names: list[str]) -> None:
         self.before_start(self)
@@ -260,7 +276,8 @@ def in_slot(job: Callable[[], Run], processes: int = 1) -> Run:
 
 def reads(*names: str, **by_parameter: dict[str, tuple[str, ...]]) -> Callable:
     """Declares the shared runs a check reads, so that a selection of tests starts only those (`runs_read`). A name
-    may hold `{reference}` (the float64 rounding reference's run), `{<parameter>}` (the test's parameter) or be
+    may hold `{reference}` (the float64 rounding reference's run, its files read), `{bound}` (the float64 bound
+    worked out from it: FP64_BOUND), `{<parameter>}` (the test's parameter) or be
     `{evaluations}` (the evaluation runs the module and data allow); `by_parameter` adds runs by a parameter's value
     ({parameter: {value: names}})."""
 
@@ -287,6 +304,8 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
         for name in names:
             if name == "{evaluations}":
                 wanted |= set(evaluation_runs(steps))
+            elif name == "{bound}":
+                wanted.add(FP64_BOUND)
             else:
                 wanted.add(name.format(reference=reference_run(steps, "fp64"), **params))
     return wanted
@@ -294,15 +313,16 @@ def runs_read(items: list, steps: dict) -> set[str] | None:
 
 # Stands for the project's own config.yaml in the directory the runs without a logger start from.
 PROJECT_CONFIG = "# the project's config.yaml\n"
-
-
-# Read by the checks of the 2-device run's resume state 3/4 into epoch 0 (written tagged as on GPUs: waves.run_args),
+# Read by the checks of the 2-device run's resume state 3/4 into epoch 0 (written tagged as on GPUs: commands.run_args),
 # which resume-2to1 starts from: once neither is left, footprint.py deletes it.
 MID_CHECKPOINT = "2dev-mid-checkpoint"
+# Read by the checks that compare float64 runs: the bound the rounding reference's weights give (bounds.fp64_bound),
+# worked out once for the session (Waves.cache); footprint.py keeps the reference's weights until it is.
+FP64_BOUND = "fp64-bound"
 # Read by the one-step check in a precision: the records of its one-step runs (probe/onestep.pt; the float64 run's
 # by both precisions' checks), which footprint.py deletes once the check has run.
 STEP_RECORDS = "step-records-{precision}"
-# The runs whose ranks fingerprint their datasets (waves.run_args' `fingerprints`), after which Waves' gate is asked.
+# The runs whose ranks fingerprint their datasets (commands.run_args' `fingerprints`), after which Waves' gate is asked.
 GATED_BY = ("1dev-fp64", "2dev-fp64")
 EVALUATIONS = ("validate-1dev", "test-1dev", "predict-1dev", "test-2dev", "predict-2dev")
 # The one-step runs (check_onestep.py): 1 and 2 devices in float32 and bf16-mixed, 1 device in float64 (the exact step);
@@ -335,15 +355,5 @@ def best_checkpoint(run: Run) -> Path:
     return Path(best)
 
 
-__all__ = [
-    "PROJECT_CONFIG",
-    "Run",
-    "SlurmJob",
-    "Waves",
-    "comparable",
-    "evaluation_runs",
-    "global_step",
-    "plan",
-    "reads",
-    "runs_read",
-]
+__all__ = ["PROJECT_CONFIG", "Run", "SlurmJob", "Waves", "comparable", "evaluation_runs", "global_step", "plan"]
+__all__ += ["reads", "runs_read"]

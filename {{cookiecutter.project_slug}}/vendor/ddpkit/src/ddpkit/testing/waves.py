@@ -3,22 +3,22 @@
 Whatever config.yaml selects (your model and data once you point it at them) trains 2 epochs on CPU, in
 waves; the runs of a wave start at once, as many as the machine's slots allow (slots.py), and each wave's files
 are deleted once its checks have read them, before a later wave writes its own (footprint.py):
-1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured
-   ones, and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm
-   or without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
-   bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's).
-2. From the first wave's checkpoints (FROM_FIRST), early so that the states they resume from go early: mid-epoch
-   resumes on the other device count (2 -> 1 from a checkpoint the 2-device run wrote with its tensors tagged as
-   on GPUs, a wave of its own, which deletes it once restored; then 1 -> 2), `validate`, `test` and `predict` on 1
-   and 2 devices (those the module defines a step for), and `fit --ckpt_path last` continuing a copy of the
-   1-device run stopped where 1 -> 2 starts (its last.ckpt that state: one complete state for both).
-3. The one-step runs (check_onestep.py): from the 1-device run's states, single steps on 1 and 2 devices in
-   float32 and on 1 device in float64, then, once float32's records are gone, on 1 and 2 devices in bf16-mixed.
-4. The others, in two waves (fewer runs' weights at once): `torchrun`, gradient accumulation on 2 devices x 2
-   micro-batches (not for a module that optimizes manually), two torchrun "nodes", sharded training when the module
-   shards (the library's model_parallel preset, compared with 1 device in float32); then, when the model takes one,
-   1 and 2 devices with a warmup + cosine learning-rate schedule, and a 2-node SLURM job that is signalled,
-   requeued and resumed.
+1. 1 and 2 devices in float64, which the others are compared with; they add a CSV logger to the configured ones,
+   and record each parameter element's largest gradient. And 1 device x 4 micro-batches (or, for BatchNorm or
+   without micro-batches, 1 device with every batch reversed): summation order alone, the rounding the float64
+   bounds start from. The 1-device run saves its state after global batches 1, n and n + 1 (n an epoch's). In two
+   steps: the 2-device run alone, then the 1-device runs beside the resume 2 -> 1 (FROM_FIRST's first) from the
+   state the 2-device run wrote 3/4 into epoch 0, tagged as on GPUs, which it deletes once restored.
+2. From the 1-device run's states (the rest of FROM_FIRST): the resume 1 -> 2 from 1 global batch into epoch 1; then
+   `validate`, `test` and `predict` on 1 and 2 devices (those the module defines a step for), and `fit --ckpt_path
+   last` continuing a copy of the 1-device run stopped where 1 -> 2 starts (its last.ckpt that state).
+3. The others whose checks read the rounding reference's files, in two waves: two torchrun "nodes" and, when the
+   model takes one, 1 and 2 devices with a warmup + cosine learning-rate schedule; then `torchrun`, gradient
+   accumulation on 2 devices x 2 micro-batches (not for a module that optimizes manually) and sharded training when
+   the module shards (the library's model_parallel preset, compared with 1 device in float32).
+4. The one-step runs (check_onestep.py): from the 1-device run's states, single steps on 1 and 2 devices in float32
+   and on 1 device in float64, then, once float32's records are gone, on 1 and 2 devices in bf16-mixed.
+5. A 2-node SLURM job that is signalled, requeued and resumed.
 And, only when a float64 comparison is over its bound by no more than rounding, the 2-device float64 run again
 (`2dev-fp64-again`): how far two identical runs end apart (bounds.run_to_run); only when a one-step check is over
 its bound, the one-step runs again from nudged states (`step-...-nudged`: its second look, check_onestep.py).
@@ -27,24 +27,20 @@ read (their `reads` declarations), so `pytest -k ...` starts only the runs it re
 The sizes and steps come from the configured data module and model (configured.py); steps are counted in global
 batches, and Lightning's global_step is `steps_per_batch` times that (a GAN stepping two optimizers: 2).
 
-Add arguments to every run (another model, a smaller set):
-    PARITY_ARGS="--model my_model.MyModel" pytest tests/test_guarantees.py
+The runs' command lines, and the arguments a user adds to every run (PARITY_ARGS): commands.py.
 """
 
 import json
 import os
-import shlex
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .. import presets
+from .commands import cluster_args, evaluate, fit, main_cmd, one_step, schedule_args, sharded_args, torchrun_cmd
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
-from .footprint import KEEP_CHECKPOINTS, remove_checkpoints
-from .helpers import main_py
+from .footprint import remove_checkpoints
 from .runs import (
     FROM_FIRST,
     NUDGE,
@@ -60,126 +56,20 @@ from .runs import (
     command,
     evaluation_runs,
     failed,
-    global_step,
     reference_run,
 )
 
 SCHEDULED = ("1dev-lr-fp64", "2dev-lr-fp64")  # 1 and 2 devices with a warmup + cosine schedule
-# The others, in two waves: the second's SLURM job holds a complete state (its requeue checkpoint) besides its weights.
+# The others, in three waves (fewer runs' weights at once): those whose checks read the rounding reference's files
+# (the parity command's, the accumulation check's), in two waves before the one-step runs; then the SLURM job, which
+# holds a complete state (its requeue checkpoint) besides its weights.
 OTHERS_WAVES = (
-    ("torchrun-fp64", "torchrun-nodes", "2dev-acc2-fp64", "sharded", "1dev-fp32"),
-    (*SCHEDULED, "slurm-requeue"),
+    ("torchrun-nodes", *SCHEDULED),
+    ("torchrun-fp64", "2dev-acc2-fp64", "sharded", "1dev-fp32"),
+    ("slurm-requeue",),
 )
 # The runs of 2 processes whose name says no "2dev" (each takes 2 of the machine's slots: slots.py).
 TWO_PROCESSES = {"resume-1to2", "torchrun-fp64", "torchrun-nodes", "sharded", "slurm-requeue"}
-# Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
-FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
-
-
-def parity_args() -> list[str]:
-    """PARITY_ARGS, split as a shell would: appended to every run, after the suite's own arguments."""
-    return shlex.split(os.environ.get("PARITY_ARGS", ""))
-
-
-def schedule_args(steps: dict) -> list[str]:
-    """A warmup + cosine schedule (for a model that takes a `scheduler` argument)."""
-    warmup = str(max(1, steps["steps_per_epoch"] // 2))
-    return ["--model.scheduler", "ddpkit.model.schedules.WarmupCosine", "--model.scheduler.warmup_steps", warmup]
-
-
-def run_args(
-    steps: dict,
-    resumed_at: int | None = None,
-    saves: tuple[int, ...] = (),
-    fingerprints: bool = False,
-    consumes: bool = False,
-    on_gpu: bool = False,
-    best_by_name: bool = False,
-) -> list[str]:
-    """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read, no
-    more (slim.py): its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
-    their size), and it keeps no best checkpoint, unless other runs resume from it at global batch `resumed_at` (or
-    start one-step runs from it after the global batches `saves`): then the probe saves a complete checkpoint at each of
-    those steps, the best is kept (with `best_by_name`, for its name alone: no tensors), an extra checkpoint per epoch
-    is written for its name alone (the checks compare the files 1 and 2 devices write), and which parameter elements got
-    no gradient is recorded (parity_probe.GradientPeaks); with `on_gpu`, the state at `resumed_at` is written with its
-    tensors tagged as on cuda:0, as on GPUs. With `consumes`, the checkpoint the run resumes from is deleted once
-    restored, unless DDPKIT_KEEP_CHECKPOINTS is set. Each rank's fingerprints of its datasets, compared before
-    training, only with `fingerprints`."""
-    args = [
-        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
-        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
-        FLOAT64_THROUGHOUT,
-        "--trainer.callbacks+=ddpkit.testing.parity_probe.Probe",
-    ]
-    if fingerprints:
-        args.append("--trainer.callbacks.fingerprint_data=true")
-    if consumes and not os.environ.get(KEEP_CHECKPOINTS):
-        args.append("--trainer.callbacks.consume=true")
-    if on_gpu:
-        args.append(f"--trainer.callbacks.on_gpu_at=[{global_step(steps, resumed_at)}]")
-    if resumed_at is None:  # nor the project's best checkpoint: only the 2 runs resumed from are read for theirs
-        args.append("--trainer.callbacks.best=false")
-    else:
-        at = ",".join(str(global_step(steps, k)) for k in sorted({resumed_at, *saves}))
-        args += ["--trainer.callbacks.resumable=true", f"--trainer.callbacks.save_at_steps=[{at}]"]
-        names = ["epoch=*-step=*.ckpt", *(["best-*.ckpt"] if best_by_name else [])]  # Lightning's, the project's
-        args.append(f"--trainer.callbacks.names_only={json.dumps(names)}")
-        # The one-step check's states need no optimizer state where one step is one optimizer step: the check judges
-        # the gradient it sees. With several (steps_per_batch, a module optimizing itself), a later one's gradient
-        # follows the earlier one's update, from the optimizer's state.
-        if steps["steps_per_batch"] == 1 and not steps["manual_optimization"]:
-            light = ",".join(str(global_step(steps, k)) for k in sorted(set(saves) - {resumed_at}))
-            args.append(f"--trainer.callbacks.weights_at=[{light}]")
-        args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
-        args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
-        args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
-    return args
-
-
-def main_cmd(*args: str) -> list[str]:
-    return [sys.executable, str(main_py()), *args]
-
-
-def torchrun_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(main_py()), *args]
-
-
-def fit(steps: dict, accelerator: str, devices: int, precision: str, *extra: str, **kept) -> list[str]:
-    """`fit` on `devices` in `precision`, with the suite's arguments (run_args: `kept` are its options)."""
-    return [
-        "fit",
-        *("--trainer.accelerator", accelerator, "--trainer.devices", str(devices)),
-        *("--trainer.precision", precision, *run_args(steps, **kept), *extra, *parity_args()),
-    ]
-
-
-def one_step(steps: dict, devices: int, precision: str, states: Path, *extra: str) -> list[str]:
-    """A one-step run (parity_probe.OneStep): `fit` on `devices` in `precision` training global batches 0 and 1 of
-    each of 2 epochs, each from the state in `states` (the first wave's 1-device float64 run saved them), without
-    validation, checkpoints or the doctor."""
-    return [
-        "fit",
-        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", precision),
-        *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0"),
-        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
-        *("--doctor.enabled", "false", FLOAT64_THROUGHOUT, "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
-        *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['steps_per_epoch']}"),
-        f"--trainer.callbacks.steps_per_batch={steps['steps_per_batch']}",
-        f"--trainer.callbacks.batches={steps['step_batches']}",
-        *extra,
-        *parity_args(),
-    ]
-
-
-def evaluate(steps: dict, command: str, devices: int, ckpt_path: str) -> list[str]:
-    """`validate`, `test` or `predict` in float64 from `ckpt_path`, without a logger (predictions.pt and the
-    probe's records go to the run's root)."""
-    return [
-        command,
-        *("--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", "64-true"),
-        *("--ckpt_path", ckpt_path, "--trainer.logger", "false", *run_args(steps), *parity_args()),
-    ]
 
 
 def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None) -> Waves:
@@ -199,10 +89,8 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
     # state written as on GPUs); the 1-device run saves the one-step runs' states too.
     one = dict(resumed_at=steps["one_to_two"], saves=tuple(steps["step_points"]), fingerprints=True)
     two = dict(resumed_at=steps["two_to_one"], fingerprints=True, on_gpu=True, best_by_name=True)
-    first = {
-        "1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, **one))),
-        "2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, **two))),
-    }
+    first_two = {"2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, **two)))}
+    first = {"1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, **one)))}
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
     reorder = (
@@ -252,16 +140,31 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
     def from_two(runs: Waves) -> dict:
         try:  # from 2 devices' checkpoint with its tensors tagged cuda:0, as one written on GPUs, read by nothing after
             ckpt = runs["2dev-fp64"].resume_state(steps, "two_to_one")
+            runs["2dev-fp64"].resume_facts(steps, "two_to_one")  # what the checks read of it, before it is deleted
         except AssertionError as error:
             return {"resume-2to1": failed(error)}
         resume = fit(steps, "cpu", 1, "64-true", "--ckpt_path", str(ckpt), consumes=True)
         return {"resume-2to1": run("resume-2to1", main_cmd(*resume))}
 
+    def first_one(runs: Waves) -> dict:
+        # The 2-device run has run first, alone (its wave), where it is read: resume-2to1 then starts beside the
+        # 1-device runs and deletes the state it resumes from before they write theirs (footprint.py).
+        two = from_two(runs) if runs.wants("2dev-fp64") or runs.wants("resume-2to1") else {}
+        return {**first, **(two if runs.wants("resume-2to1") else {})}
+
+    def resume_one(runs: Waves) -> dict:
+        try:
+            resume_at = str(runs["1dev-fp64"].resume_state(steps, "one_to_two"))
+        except AssertionError as error:
+            return {"resume-1to2": failed(error)}
+        resume = fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)
+        return {"resume-1to2": run("resume-1to2", main_cmd(*resume), ranks=forked)}
+
     def from_one(runs: Waves) -> dict:
         try:
             one = runs["1dev-fp64"]
         except AssertionError as error:
-            return dict.fromkeys(FROM_FIRST[1:], failed(error))
+            return dict.fromkeys(FROM_FIRST[2:], failed(error))
         # validate, test and predict on 1 device start from a copy of the 1-device run (`--ckpt_path last` and
         # `best` look for its last.ckpt there) that holds a config.yaml, as the project directory would; `continue`
         # from a copy whose last.ckpt is the state 1 -> 2 resumes from, as a run stopped there would have left it.
@@ -283,29 +186,33 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
             "predict-2dev": run("predict-2dev", main_cmd(*evaluate(steps, "predict", 2, last)), ranks=forked),
         }
         return {
-            "resume-1to2": run(
-                "resume-1to2", main_cmd(*fit(steps, "cpu", 2, "64-true", "--ckpt_path", resume_at)), ranks=forked
-            ),
             **{name: job for name, job in evaluations.items() if name in evaluation_runs(steps)},
             # A run stopped 1 global batch into epoch 1 continued to its end (fit's own arguments, in a copy of it).
             "continue": run("continue", main_cmd(*fit(steps, "cpu", 1, "64-true", "--ckpt_path", "last"))),
         }
 
     waves = [  # in the order their checks come (guarantees.__all__)
-        Wave(tuple(first), lambda runs: first),
-        # From the first wave's checkpoints: the 2-device run's resume state first, deleted once read, then the
-        # 1-device run's (whose complete states then keep their weights alone: footprint.py).
-        Wave(FROM_FIRST[:1], from_two),
-        Wave(FROM_FIRST[1:], from_one),
+        # The first wave in two steps: the 2-device run; then the 1-device runs, and resume-2to1 from the 2-device
+        # run's resume state, deleted once read.
+        Wave(tuple(first_two), lambda runs: first_two),
+        Wave((*first, FROM_FIRST[0]), first_one),
+        # From the 1-device run's checkpoints (whose complete states then keep their weights alone: footprint.py):
+        # resume-1to2, then the evaluations and `continue` (one run's weights at a time beside that state).
+        Wave(FROM_FIRST[1:2], resume_one),
+        Wave(FROM_FIRST[2:], from_one),
+        # The others that read the rounding reference's weights, whose checks then leave none to read them: 2 waves.
+        *(Wave(names, lambda runs, names=names: others(runs, names)) for names in OTHERS_WAVES[:2]),
         # The one-step runs, float32 and the exact step, then bf16-mixed.
         *(Wave(names, lambda runs, names=names: step_jobs(runs, names)) for names in ONE_STEP_WAVES),
-        *(Wave(names, lambda runs, names=names: others(runs, names)) for names in OTHERS_WAVES),
+        *(Wave(names, lambda runs, names=names: others(runs, names)) for names in OTHERS_WAVES[2:]),
         # The 2-device float64 run again, only when a comparison asks how far two identical runs end apart.
         Wave(("2dev-fp64-again",), lambda runs: {"2dev-fp64-again": first_again()}),
         # The one-step runs from nudged states, only when a one-step check is over its bound (its second look).
         Wave(ONE_STEP_NUDGED, lambda runs: step_jobs(runs, ONE_STEP, NUDGE)),
     ]
-    return Waves(base, waves, gate, processes)
+    runs = Waves(base, waves, gate, processes)
+    runs.rounding_reference = reference
+    return runs
 
 
 def processes(name: str) -> int:
@@ -313,30 +220,12 @@ def processes(name: str) -> int:
     return 2 if "2dev" in name or name in TWO_PROCESSES else 1
 
 
-def cluster_args(steps: dict) -> list[str]:
-    """The float64 fit of the first wave, without its probes and logger changes: the cluster launchers' runs
-    must end with its weights (2 epochs; dropout off, as the probe turns it off there)."""
-    return [
-        *("--trainer.accelerator", "cpu", "--trainer.precision", "64-true", "--trainer.max_epochs", "2"),
-        *("--trainer.log_every_n_steps", "1"),  # as the first wave's: the parity command compares their logged steps
-        *("--trainer.enable_progress_bar", "false", "--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout"),
-        FLOAT64_THROUGHOUT,
-        "--trainer.callbacks+=ddpkit.testing.slim.SlimCheckpoints",  # the weights alone, but where SLURM resumes
-        *parity_args(),
-        "--trainer.callbacks+=ddpkit.testing.rank_probe.RankProbe",  # last: `--trainer.callbacks.*` may follow
-    ]
-
-
 def sharded_job(root: Path, steps: dict) -> dict:
     """Epoch 1 sharded over 2 processes (the library's model_parallel preset, float32: ModelParallelStrategy has
     no float64), epoch 2 resumed from its sharded checkpoint on 1; the weights at the end, gathered."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    # The library's copy, not the project's configs/model_parallel.yaml: a project may lack it (baked before it
-    # existed, or deleted) or have set it for its cluster (8 devices), and the check needs 2 processes.
-    args = ["--config", str(presets.path("model_parallel")), "--trainer.accelerator", "cpu"]
-    args += ["--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"]
-    args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout", *parity_args()]
+    args = sharded_args()
     two, one = root / "two", root / "one"
     root.mkdir()
     command(main_cmd("fit", *args, "--trainer.max_epochs", "1"), two, root / "two.log")()
@@ -357,4 +246,4 @@ def link_checkpoints(source: str, destination: str) -> None:
     os.link(source, destination) if source.endswith(".ckpt") else shutil.copy2(source, destination)
 
 
-__all__ = ["SlurmJob", "fit", "main_cmd", "parity_args", "shared_runs"]
+__all__ = ["SlurmJob", "shared_runs"]
