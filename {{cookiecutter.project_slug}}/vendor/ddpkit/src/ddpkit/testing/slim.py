@@ -97,7 +97,11 @@ def in_float32(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """`checkpoint` with its float64 weights and buffers as float32: a one-step state (check_onestep.py), which every
     one-step run loads, the float32 and bf16 runs as float32 in any case, so the float64 run's exact step starts
     from the same numbers as theirs."""
-    weights = {k: t.float() if t.dtype == torch.float64 else t for k, t in checkpoint["state_dict"].items()}
+    cast: dict[tuple, torch.Tensor] = {}  # a tied weight (GPT-2's embedding and output layer) cast once, saved once
+    weights = {
+        k: cast.setdefault((t.data_ptr(), t.shape, t.stride()), t.float()) if t.dtype == torch.float64 else t
+        for k, t in checkpoint["state_dict"].items()
+    }
     return {**checkpoint, "state_dict": weights}
 
 
