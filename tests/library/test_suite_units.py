@@ -31,10 +31,9 @@ from ddpkit.testing.runs import (
     Run,
     Wave,
     Waves,
-    command,
     evaluation_runs,
-    failed,
 )
+from ddpkit.testing.commands import command, failed
 from ddpkit.testing.runs import plan, runs_read
 from ddpkit.testing.slim import NAME_ONLY
 
@@ -814,8 +813,10 @@ def test_suite_runs_at_once_default_to_four_processes_a_core_and_a_bad_count_is_
 
 
 def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
-    """The runs a wave starts together each hold a slot per process while they run: with 1 slot, 3 runs of one wave
-    run one at a time, and all 3 run; with 2 slots, the 2 runs of 1 process run together, and the run of 2 alone."""
+    """The runs a wave starts together each hold a slot per process while they run: with 1 slot, 6 runs of one wave
+    run one at a time, all 6, in the wave's order (resume-2to1 deletes its state before the 1-device run can write
+    its own: waves.py; mutation: submitting them all at once, whose order is the lock's); with 2 slots, the 2 runs of
+    1 process run together, and the run of 2 alone."""
     import threading
     import time
 
@@ -823,11 +824,12 @@ def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
 
     monkeypatch.setattr(slots, "folder", lambda: tmp_path / "slots")
     monkeypatch.setattr(slots, "limit", lambda: 1)
-    lock, running, most = threading.Lock(), [0], [0]
+    lock, running, most, order = threading.Lock(), [0], [0], []
 
     def job(name: str, seconds: float = 0.2):
         def run() -> str:
             with lock:
+                order.append(name)
                 running[0] += 1
                 most[0] = max(most[0], running[0])
             time.sleep(seconds)
@@ -837,8 +839,8 @@ def test_a_waves_runs_wait_for_the_machines_slots(tmp_path, monkeypatch):
 
         return run
 
-    runs = Waves(Path("."), [Wave(("a", "b", "c"), lambda runs: {n: job(n) for n in "abc"})])
-    assert [runs[n] for n in "abc"] == ["a", "b", "c"] and most[0] == 1
+    runs = Waves(Path("."), [Wave(tuple("abcdef"), lambda runs: {n: job(n, 0.15) for n in "abcdef"})])
+    assert [runs[n] for n in "abcdef"] == list("abcdef") and most[0] == 1 and order == list("abcdef")
     monkeypatch.setattr(slots, "limit", lambda: 2)
     alone, most[0] = [], 0
 
@@ -1112,14 +1114,15 @@ def test_the_float64_bound_is_worked_out_once_and_the_reference_kept_until_then(
 
 def test_the_first_wave_runs_the_2_device_run_alone_then_the_1_device_runs_beside_resume_2to1(tmp_path):
     """The 2-device float64 run's wave holds it alone, and resume-2to1 (which deletes that run's resume state once
-    restored) is in the wave of the 1-device runs, which write their own states after it starts; the FROM_FIRST runs
+    restored) is first in the wave of the 1-device runs, which take their slots after it (Waves: in the wave's order)
+    and write their own states after it starts; the FROM_FIRST runs
     from the 1-device run's states come after, resume-1to2 alone. Mutation: the first wave's three runs together
     again (the default bake's disk at once: 10.6 x its float64 weights instead of 8.6, docs/measurements.md)."""
     from ddpkit.testing.waves import shared_runs
 
     configured = {"steps_per_epoch": 4, "global_batch_size": 32, "takes_micro_batch_size": True, "stages": []}
     names = [wave.names for wave in shared_runs(tmp_path, plan(configured)).waves]
-    assert names[:3] == [("2dev-fp64",), ("1dev-fp64", "1dev-acc4-fp64", "resume-2to1"), ("resume-1to2",)]
+    assert names[:3] == [("2dev-fp64",), ("resume-2to1", "1dev-fp64", "1dev-acc4-fp64"), ("resume-1to2",)]
 
 
 def test_a_tied_weight_of_a_one_step_state_is_saved_once_in_float32():

@@ -1,4 +1,5 @@
-"""The command lines of the guarantee suite's runs of the project's `main.py` (waves.py: which runs, in which waves).
+"""The command lines of the guarantee suite's runs of the project's `main.py`, and the jobs that run them (`command`;
+waves.py: which runs, in which waves).
 
 Every run gets the suite's own arguments, then PARITY_ARGS (another model, a smaller set):
     PARITY_ARGS="--model my_model.MyModel" pytest tests/test_guarantees.py
@@ -6,14 +7,18 @@ Every run gets the suite's own arguments, then PARITY_ARGS (another model, a sma
 
 import json
 import os
+import re
 import shlex
+import shutil
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import presets
 from .footprint import KEEP_CHECKPOINTS
-from .helpers import main_py
-from .runs import global_step
+from .helpers import finish, headline, main_py, run_main, start
+from .runs import Run, global_step
 
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
 FLOAT64_THROUGHOUT = "--trainer.callbacks+=ddpkit.testing.float64.Float64Throughout"
@@ -148,3 +153,54 @@ def sharded_args() -> list[str]:
         *("--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"),
         *("--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout", *parity_args()),
     ]
+
+
+# A rank that could not listen on its port: another run took the free port it was given in between (the runs start
+# together). Not the project's failure: the run starts again, in a clean folder, at most PORT_RETRIES times.
+PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+PORT_RETRIES = 2
+
+
+def command(cmd: list[str], root: Path, log: Path, timeout: float = 420, ranks: int = 1) -> Callable[[], Run]:
+    """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
+    non-zero exit (its error line first) or after `timeout` seconds (killing all it started). A run of main.py is
+    forked from the fork server (helpers.run_main; with `ranks` 2, both of its ranks, as torchrun would start
+    them); other commands (torchrun) start as they are."""
+    before: set[Path] = set()  # what the folder held before the run (a copied run to continue, a config.yaml)
+
+    def once() -> subprocess.CompletedProcess:
+        for path in set(root.iterdir()) - before:  # what an earlier try wrote; the folder's own files stay
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        full = [*cmd, "--trainer.default_root_dir", str(root)]
+        if full[1] == str(main_py()):
+            return run_main(*full[2:], cwd=root, timeout=timeout, log=log, ranks=ranks)
+        result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)  # one thread a process: shared cores
+        log.write_text(result.stdout)
+        return result
+
+    def job() -> Run:
+        nonlocal before
+        root.mkdir(exist_ok=True)
+        before = set(root.iterdir())
+        for _ in range(PORT_RETRIES):
+            result = once()
+            if result.returncode == 0 or not PORT_TAKEN.search(result.stdout):
+                break
+        else:
+            result = once()
+        assert result.returncode == 0, (
+            f"run {log.stem} exited {result.returncode}: {headline(result.stdout)}\n(log: {log})\n"
+            f"{result.stdout[-4000:]}"
+        )
+        return Run(root, log)
+
+    return job
+
+
+def failed(error: AssertionError) -> Callable[[], Run]:
+    """A job of a later wave that cannot start: the run it starts from failed with `error`."""
+
+    def job() -> Run:
+        raise AssertionError(f"starts from a run that failed: {error}")
+
+    return job

@@ -42,10 +42,11 @@ FOLDERS = {"validate-1dev": "eval", "test-1dev": "eval", "predict-1dev": "eval",
 
 
 class Footprint:
-    """The checkpoint and weights files of a session's runs, each counted once (a hard link too): how many, their
-    bytes, and the most bytes on disk at once. `measure` before each deletion, before runs start (Waves.before_start)
-    and at the end: between two of these the runs only add files (but for a checkpoint a run replaces, which Lightning
-    writes before it removes the old, and the state resume-2to1 deletes once restored, before it writes any)."""
+    """The checkpoint and weights files of a session's runs, each counted once (a hard link too): how many, their bytes,
+    and the most bytes on disk at once. `measure` before each deletion, before runs start (Waves.before_start) and at
+    the end: between two of these the runs only add files (but for a checkpoint a run replaces, which Lightning writes
+    before it removes the old, and the state resume-2to1 deletes once restored, before it writes any and before the runs
+    of its wave that take their slots after it write theirs)."""
 
     def __init__(self) -> None:
         self.files: dict[tuple[int, int], int] = {}  # (inode, modification time) -> bytes; an inode can be reused

@@ -18,13 +18,13 @@ pytest.register_assert_rewrite(
 )
 
 from .check_data import data_gate, unused_skip  # noqa: E402
+from .commands import fit, main_cmd, parity_args  # noqa: E402
 from .configured import describe  # noqa: E402
 from .fake_cuda import fake_env  # noqa: E402
 from .float64 import summary  # noqa: E402
-from .helpers import set_project  # noqa: E402
 from .footprint import KEEP_CHECKPOINTS, Footprint, remove_checkpoints  # noqa: E402
+from .helpers import set_project  # noqa: E402
 from .runs import Run, Waves, plan, runs_read  # noqa: E402
-from .commands import fit, main_cmd, parity_args  # noqa: E402
 from .waves import shared_runs  # noqa: E402
 
 # What the runs wrote, for the session's summary: (checkpoint files, their bytes, the most bytes on disk at once, the
@@ -152,7 +152,7 @@ GPU_PRECISIONS = ["64-true", "32-true", "bf16-mixed"]  # float64 first: the stri
 @pytest.fixture(scope="session")
 def gpu_runs(tmp_path_factory, steps) -> dict[str, Run]:
     """1-GPU and 2-GPU runs per precision, one after another (they share the GPUs)."""
-    from .runs import command
+    from .commands import command
 
     base = tmp_path_factory.mktemp("parity-gpu")
     runs = {}

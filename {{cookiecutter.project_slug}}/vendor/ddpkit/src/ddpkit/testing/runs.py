@@ -6,9 +6,7 @@ their command lines: waves.py.
 """
 
 import json
-import re
-import shutil
-import subprocess
+import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +19,6 @@ import torch
 from ..model.sharding import shards_on_cpu
 from ..parity import load_weights
 from .fake_cluster import SlurmJob
-from .helpers import finish, headline, main_py, run_main, start
 from .slots import run_slot
 
 
@@ -132,57 +129,6 @@ def comparable(steps: dict) -> None:
 STEP_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
 
-# A rank that could not listen on its port: another run took the free port it was given in between (the runs start
-# together). Not the project's failure: the run starts again, in a clean folder, at most PORT_RETRIES times.
-PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
-PORT_RETRIES = 2
-
-
-def command(cmd: list[str], root: Path, log: Path, timeout: float = 420, ranks: int = 1) -> Callable[[], Run]:
-    """A job that runs `cmd` with `--trainer.default_root_dir root`, its output in `log`, and fails on a
-    non-zero exit (its error line first) or after `timeout` seconds (killing all it started). A run of main.py is
-    forked from the fork server (helpers.run_main; with `ranks` 2, both of its ranks, as torchrun would start
-    them); other commands (torchrun) start as they are."""
-    before: set[Path] = set()  # what the folder held before the run (a copied run to continue, a config.yaml)
-
-    def once() -> subprocess.CompletedProcess:
-        for path in set(root.iterdir()) - before:  # what an earlier try wrote; the folder's own files stay
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        full = [*cmd, "--trainer.default_root_dir", str(root)]
-        if full[1] == str(main_py()):
-            return run_main(*full[2:], cwd=root, timeout=timeout, log=log, ranks=ranks)
-        result = finish(start(full, root, {"OMP_NUM_THREADS": "1"}), timeout)  # one thread a process: shared cores
-        log.write_text(result.stdout)
-        return result
-
-    def job() -> Run:
-        nonlocal before
-        root.mkdir(exist_ok=True)
-        before = set(root.iterdir())
-        for _ in range(PORT_RETRIES):
-            result = once()
-            if result.returncode == 0 or not PORT_TAKEN.search(result.stdout):
-                break
-        else:
-            result = once()
-        assert result.returncode == 0, (
-            f"run {log.stem} exited {result.returncode}: {headline(result.stdout)}\n(log: {log})\n"
-            f"{result.stdout[-4000:]}"
-        )
-        return Run(root, log)
-
-    return job
-
-
-def failed(error: AssertionError) -> Callable[[], Run]:
-    """A job of a later wave that cannot start: the run it starts from failed with `error`."""
-
-    def job() -> Run:
-        raise AssertionError(f"starts from a run that failed: {error}")
-
-    return job
-
-
 @dataclass
 class Wave:
     names: tuple[str, ...]
@@ -194,11 +140,11 @@ class Waves:
     """The runs by name. A run starts when it is first asked for, together with the other runs of its wave that the
     session's selected tests read (`want`; every run of the wave when nothing was declared), so that a selection of
     tests (`pytest -k ...`) starts only the runs it reads. The runs started together start at once, each as soon as it
-    has a slot per process it starts (slots.py; `processes`, by name, default 1); a run that fails fails the tests that
-    read it, with its own error, and no other (a run of a later wave that starts from it fails with that error too).
-    `gate`, asked once the runs that fingerprint the datasets (GATED_BY) have run, may give a reason no run can be
-    compared (check_data.data_gate: the ranks hold different data): then every test that asks for a run skips with it,
-    and no run starts after it."""
+    has a slot per process it starts (slots.py; `processes`, by name, default 1), taken in the wave's order; a run that
+    fails fails the tests that read it, with its own error, and no other (a run of a later wave that starts from it
+    fails with that error too). `gate`, asked once the runs that fingerprint the datasets (GATED_BY) have run, may give
+    a reason no run can be compared (check_data.data_gate: the ranks hold different data): then every test that asks for
+    a run skips with it, and no run starts after it."""
 
     def __init__(
         self,
@@ -255,8 +201,12 @@ class Waves:
         self.before_start(self)
         jobs = {n: self.jobs.pop(n) for n in names}
         self.started += names
-        with ThreadPoolExecutor(len(jobs)) as pool:  # each run waits for a slot on this machine (slots.py)
-            futures = {n: pool.submit(in_slot, jobs[n], self.processes(n)) for n in jobs}
+        futures = {}
+        with ThreadPoolExecutor(len(jobs)) as pool:  # each run waits for its slots (slots.py), in the wave's order
+            for n in jobs:
+                holding = threading.Event()
+                futures[n] = pool.submit(in_slot, jobs[n], self.processes(n), holding)
+                holding.wait()  # resume-2to1 deletes its state before the 1-device run can write its own (waves.py)
         for n, future in futures.items():
             error = future.exception()
             if error is None:
@@ -268,10 +218,17 @@ class Waves:
             self.gated, self.stopped = True, self.gate(self)
 
 
-def in_slot(job: Callable[[], Run], processes: int = 1) -> Run:
-    """`job()` once it holds a slot per process of it (`processes`) of the machine's slots for the suite's runs."""
-    with run_slot(processes=processes):
-        return job()
+def in_slot(job: Callable[[], Run], processes: int = 1, holding: threading.Event | None = None) -> Run:
+    """`job()` once it holds a slot per process of it (`processes`) of the machine's slots for the suite's runs;
+    `holding` is set once it does (or could not)."""
+    try:
+        with run_slot(processes=processes):
+            if holding:
+                holding.set()
+            return job()
+    finally:
+        if holding:
+            holding.set()
 
 
 def reads(*names: str, **by_parameter: dict[str, tuple[str, ...]]) -> Callable:

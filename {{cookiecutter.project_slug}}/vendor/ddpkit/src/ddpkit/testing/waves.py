@@ -38,7 +38,18 @@ from pathlib import Path
 
 import torch
 
-from .commands import cluster_args, evaluate, fit, main_cmd, one_step, schedule_args, sharded_args, torchrun_cmd
+from .commands import (
+    cluster_args,
+    command,
+    evaluate,
+    failed,
+    fit,
+    main_cmd,
+    one_step,
+    schedule_args,
+    sharded_args,
+    torchrun_cmd,
+)
 from .fake_cluster import SlurmJob, slurm_requeue_job, torchrun_nodes_job
 from .footprint import remove_checkpoints
 from .runs import (
@@ -53,9 +64,7 @@ from .runs import (
     Wave,
     Waves,
     best_checkpoint,
-    command,
     evaluation_runs,
-    failed,
     reference_run,
 )
 
@@ -195,7 +204,7 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         # The first wave in two steps: the 2-device run; then the 1-device runs, and resume-2to1 from the 2-device
         # run's resume state, deleted once read.
         Wave(tuple(first_two), lambda runs: first_two),
-        Wave((*first, FROM_FIRST[0]), first_one),
+        Wave((FROM_FIRST[0], *first), first_one),  # resume-2to1 takes its slot first (Waves: in the wave's order)
         # From the 1-device run's checkpoints (whose complete states then keep their weights alone: footprint.py):
         # resume-1to2, then the evaluations and `continue` (one run's weights at a time beside that state).
         Wave(FROM_FIRST[1:2], resume_one),
