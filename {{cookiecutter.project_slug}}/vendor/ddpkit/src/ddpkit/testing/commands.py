@@ -47,13 +47,14 @@ def run_args(
     """The suite's arguments to every run: 2 epochs, every step logged, the probe. A run writes what the checks read, no
     more (slim.py): its checkpoints hold the weights and the loops' state, not the optimizer's (which doubles or triples
     their size), and it keeps no best checkpoint, unless other runs resume from it at global batch `resumed_at` (or
-    start one-step runs from it after the global batches `saves`): then the probe saves a complete checkpoint at each of
-    those steps, the best is kept (with `best_by_name`, for its name alone: no tensors), an extra checkpoint per epoch
-    is written for its name alone (the checks compare the files 1 and 2 devices write), and which parameter elements got
-    no gradient is recorded (parity_probe.GradientPeaks); with `on_gpu`, the state at `resumed_at` is written with its
-    tensors tagged as on cuda:0, as on GPUs. With `consumes`, the checkpoint the run resumes from is deleted once
-    restored, unless DDPKIT_KEEP_CHECKPOINTS is set. Each rank's fingerprints of its datasets, compared before
-    training, only with `fingerprints`."""
+    start one-step runs from it after the global batches `saves`): then the probe saves a checkpoint at each of those
+    steps (complete at `resumed_at`; at the other `saves`, where a global batch is one optimizer step, the weights alone
+    in float32: one-step states), the best is kept (with `best_by_name`, for its name alone: no tensors), an extra
+    checkpoint per epoch is written for its name alone (the checks compare the files 1 and 2 devices write), and which
+    parameter elements got no gradient is recorded (parity_probe.GradientPeaks); with `on_gpu`, the state at
+    `resumed_at` is written with its tensors tagged as on cuda:0, as on GPUs. With `consumes`, the checkpoint the run
+    resumes from is deleted once restored, unless DDPKIT_KEEP_CHECKPOINTS is set. Each rank's fingerprints of its
+    datasets, compared before training, only with `fingerprints`."""
     args = [
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"),  # every step's loss reaches the logger
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
