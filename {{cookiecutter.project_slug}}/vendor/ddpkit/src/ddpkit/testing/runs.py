@@ -60,11 +60,12 @@ class Run:
     def resume_facts(self, steps: dict, start: str) -> dict:
         """What the checks read of the resume state at `start`: the train loader's position in it and where each of
         its tensors says it is stored, read once and kept beside it (a run resuming from it may delete it: consumes)."""
-        facts = self.resume_state(steps, start).with_suffix(".json")
+        path = self.resume_state(steps, start)
+        facts = path.with_suffix(".json")
         if not facts.is_file():
             at: list[str] = []
             keep = lambda storage, location: at.append(location) or storage  # noqa: E731
-            state = torch.load(facts.with_suffix(".ckpt"), map_location=keep, weights_only=False)
+            state = torch.load(path, map_location=keep, weights_only=False)
             position = state["loops"]["fit_loop"]["state_dict"].get("combined_loader")
             facts.write_text(json.dumps({"combined_loader": position, "locations": at}, default=repr))
         return json.loads(facts.read_text())

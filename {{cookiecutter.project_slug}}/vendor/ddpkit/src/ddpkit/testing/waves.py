@@ -156,10 +156,13 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
         return {"resume-2to1": run("resume-2to1", main_cmd(*resume))}
 
     def first_one(runs: Waves) -> dict:
-        # The 2-device run has run first, alone (its wave), where it is read: resume-2to1 then starts beside the
-        # 1-device runs and deletes the state it resumes from before they write theirs (footprint.py).
-        two = from_two(runs) if runs.wants("2dev-fp64") or runs.wants("resume-2to1") else {}
-        return {**first, **(two if runs.wants("resume-2to1") else {})}
+        # The 2-device run runs first, alone (its wave), where it is read: resume-2to1 then starts beside the 1-device
+        # runs and deletes the state it resumes from before they write theirs (footprint.py).
+        if runs.wants("resume-2to1"):
+            return {**first, **from_two(runs)}
+        if runs.wants("2dev-fp64"):
+            runs.folder("2dev-fp64")  # run, or failed: its own tests say which
+        return first
 
     def resume_one(runs: Waves) -> dict:
         try:
