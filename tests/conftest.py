@@ -14,6 +14,12 @@ run after the timing tests and before the jobs start: a job's processes inherit 
 whenever they start, so a variable set by a test meanwhile reaches them (a BERT's session, started while
 test_model_families.py had PARITY_ARGS set, ran that module's ResNet: CI of 2026-12-04). Once jobs have started,
 setting or removing a variable here fails (`_no_environment_changes_under_jobs`).
+
+The cores are busy from the jobs' start until the jobs end; then only the tests here run, one after another, each
+with a process or two: in a CI run of 2026-12-06 the last 230 s had the cores 10-84% idle. So the modules that read
+no job run first; then those marked `many_processes` (test_model_families.py: the first waves of 10 models at once),
+about when the jobs end, so that their runs fill the cores the jobs leave; then the modules that read a job (a test
+waiting for its job holds up every test after it).
 """
 
 import inspect
@@ -64,11 +70,22 @@ def pytest_configure(config):
         config.option.durations = 40
     config.addinivalue_line("markers", "timing: asserts durations; runs first, before any background job starts")
     config.addinivalue_line("markers", "environ: sets environment variables; runs before any background job starts")
+    config.addinivalue_line(
+        "markers", "many_processes: starts more runs at once than the cores; runs after the library's other tests"
+    )
 
 
 def pytest_collection_modifyitems(items):
-    # stable: timing tests first, then those that set variables, then the rest (with the jobs)
-    items.sort(key=lambda item: tuple(item.get_closest_marker(name) is None for name in early.BEFORE_JOBS))
+    # stable: timing tests first, then those that set variables, then the rest (with the jobs): the modules that read no
+    # job, then the `many_processes` ones, then those that read a job (whole modules: a module fixture set up once)
+    jobs = {*early.JOBS, *BACKGROUND}
+    readers = {item.path for item in items if jobs & set(getattr(item, "fixturenames", ()))}
+
+    def key(item) -> tuple:
+        late = 2 if item.path in readers else item.get_closest_marker("many_processes") is not None
+        return (*(item.get_closest_marker(name) is None for name in early.BEFORE_JOBS), late)
+
+    items.sort(key=key)
 
 
 def _no_environment_changes_under_jobs(event: str, args: tuple) -> None:

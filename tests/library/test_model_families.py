@@ -32,9 +32,11 @@ import ddpkit.testing.plugin  # noqa: F401  first: it has pytest rewrite the ass
 from ddpkit.testing import bounds, check_data, check_onestep, check_parity
 from ddpkit.testing import commands as suite_commands
 from ddpkit.testing.configured import describe
-from ddpkit.testing.helpers import set_project
+from ddpkit.testing import helpers
 from ddpkit.testing.runs import ONE_STEP, ONE_STEP_WAVES, Waves, plan, reference_run
 from ddpkit.testing.waves import shared_runs
+
+pytestmark = pytest.mark.many_processes  # after the library's other tests, when the jobs end (tests/conftest.py)
 
 HERE = Path(__file__).resolve().parent
 # 4 global batches of 32 an epoch, 37 validation samples (the ranks' shares differ); no doctor (it times nothing here).
@@ -105,7 +107,8 @@ def suites(tmp_path_factory) -> Iterator[dict[str, Suite]]:
     (base / "main.py").write_text(MAIN)
     for module in ("families.py", "data_families.py"):  # beside main.py, as a project's own modules
         shutil.copy(HERE / module, base)
-    set_project(base)
+    before = helpers.project()
+    helpers.set_project(base)
     # A set of strings iterates in an order of the process's own hash seed only if no fixed seed is inherited.
     assert os.environ.get("PYTHONHASHSEED", "random") == "random", "unset PYTHONHASHSEED: lstm-set-vocabulary needs it"
     suites = {}
@@ -131,6 +134,7 @@ def suites(tmp_path_factory) -> Iterator[dict[str, Suite]]:
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(lambda name, wave=wave: started(suites[name], wave[0]), ONE_STEP_MODELS))
         yield suites
+    helpers.set_project(before)  # the modules after this one (tests/conftest.py's order) run the project they had
 
 
 def started(suite: Suite, run: str) -> None:
