@@ -1143,3 +1143,28 @@ def test_a_tied_weight_of_a_one_step_state_is_saved_once_in_float32():
     saved = io.BytesIO()
     torch.save(light, saved)
     assert saved.getbuffer().nbytes < 1.5 * embedding.float().nbytes
+
+
+def test_sharded_check_says_why_a_batchnorm_model_differs(tmp_path, monkeypatch):
+    """Sharded weights over the bound fail, for a model with BatchNorm, with the sentence that says why (each rank's
+    own statistics under ModelParallelStrategy) and what to change; without BatchNorm, on the number; within the
+    bound, a BatchNorm model passes."""
+    from types import SimpleNamespace
+
+    from ddpkit.testing import check_sharded
+
+    monkeypatch.setattr(check_sharded, "shards_on_cpu", lambda: True)  # its skip before torch 2.6 (the oldest set)
+    last = tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"global_step": 4, "state_dict": {"bn.weight": torch.ones(3)}}, last)
+    configured = {"model": "net.Net", "shards_layers": True, "global_batch_data": True, "batchnorm": True}
+    configured |= {"steps_per_epoch": 2, "steps_per_batch": 1}
+    sharded = {"files": ["__0_0.distcp", "__1_0.distcp"], "weights": {"bn.weight": torch.full((3,), 1.5)}}
+    runs = {"1dev-fp32": SimpleNamespace(root=tmp_path), "sharded": sharded}
+    check = check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
+    with pytest.raises(pytest.fail.Exception, match="net.Net has BatchNorm layers: sharded under ModelParallel"):
+        check(configured, runs)
+    with pytest.raises(AssertionError, match="max_abs=0.5"):
+        check({**configured, "batchnorm": False}, runs)
+    sharded["weights"] = {"bn.weight": torch.ones(3)}
+    check(configured, runs)

@@ -12,6 +12,15 @@ from .runs import comparable, reads
 # device bound. Measured (digits, 2026-12-02): 1.95e-6, the same as 2-device DDP's float32 run against 1 device
 # (sharded vs that DDP run: 6e-8 absolute); DDP float32 reached 8.4e-5 over seeds 0-7 (check_parity's BOUNDS).
 SHARDED_BOUND = 2e-4
+# Why a BatchNorm model's sharded run differs, and what to change: Lightning's sync_batchnorm converts the layers under
+# DDP only, so under ModelParallelStrategy each rank normalizes its own samples (a timm ResNet-18 in the digits
+# module: max_rel 1.91, docs/measurements.md).
+BATCHNORM_SHARDED = (
+    "{model} has BatchNorm layers: sharded under ModelParallelStrategy, each rank normalizes by its own samples' "
+    "statistics (sync_batchnorm converts them under DDP only), so 2 ranks train other weights than 1 device. To shard, "
+    "use GroupNorm or LayerNorm; a module trained with DDP only need not define configure_model (the suite runs this "
+    "check for one that does)."
+)
 
 
 @reads("sharded", "1dev-fp32")
@@ -29,4 +38,6 @@ def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_r
     # Without fully_shard in configure_model the ranks' gradients are not synced and this fails. Bound: float32
     # rounding of 2 ways to sum the gradients (SHARDED_BOUND).
     worst = weight_diffs(sharded["weights"], last_weights(cpu_runs["1dev-fp32"].root, steps))[0]
+    if worst.max_rel > SHARDED_BOUND and configured["batchnorm"]:  # a BatchNorm model that matches passes
+        pytest.fail(f"{BATCHNORM_SHARDED.format(model=configured['model'])} ({worst})", pytrace=False)
     assert worst.max_rel <= SHARDED_BOUND, worst
