@@ -177,6 +177,27 @@ def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
         check_state_dict_fits(ToyClassifier(hidden_dim=8), path)
 
 
+def test_a_checkpoint_fits_a_module_that_builds_its_layers_in_configure_model(tmp_path):
+    """Weights the module has not built yet (configure_model runs after the check) are not a different model's; a
+    weight the module has and the checkpoint lacks still is."""
+
+    class Lazy(ToyClassifier):
+        def __init__(self, extra: bool = False) -> None:
+            super().__init__()
+            self.net = None  # built in configure_model
+            self.extra = torch.nn.Linear(2, 2) if extra else None
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                self.net = ToyClassifier().net
+
+    path = str(tmp_path / "built.ckpt")
+    torch.save({"state_dict": ToyClassifier().state_dict()}, path)
+    check_state_dict_fits(Lazy(), path)
+    with pytest.raises(BadInput, match=r"\(2 missing, 0 unexpected, 0 of another shape, e.g. extra.bias"):
+        check_state_dict_fits(Lazy(extra=True), path)
+
+
 @pytest.mark.parametrize(
     ("accelerator", "shards_on_cpu", "refused"),
     [("cpu", False, True), ("gpu", False, False), ("cpu", True, False)],

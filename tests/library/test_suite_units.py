@@ -1168,3 +1168,38 @@ def test_sharded_check_says_why_a_batchnorm_model_differs(tmp_path, monkeypatch)
         check({**configured, "batchnorm": False}, runs)
     sharded["weights"] = {"bn.weight": torch.ones(3)}
     check(configured, runs)
+
+
+def test_a_module_shards_where_its_configure_model_names_a_way_to_shard():
+    """The sharded check runs for a module whose configure_model (or a method of the module it calls) shards, and not
+    for one that builds its layers there (Lightning's advice for large models) or compiles them, nor without one."""
+    import lightning as L
+    from torch import nn
+
+    from ddpkit import shard_layers
+    from ddpkit.testing.configured import shards_in_configure_model
+
+    class Template(L.LightningModule):  # the digits example's pattern
+        def configure_model(self):
+            if self.device_mesh is not None:
+                shard_layers(self, [m for m in self.modules() if isinstance(m, nn.Linear)], self.device_mesh)
+
+    class ThroughAMethod(L.LightningModule):
+        def configure_model(self):
+            self.shard()
+
+        def shard(self):
+            torch.distributed.fsdp.fully_shard(self)
+
+    class BuildsLayers(L.LightningModule):
+        def configure_model(self):
+            if getattr(self, "net", None) is None:
+                self.net = nn.Linear(4, 4)
+            self.print("built")  # a LightningModule method: not the module's own, not read
+
+    class Compiles(L.LightningModule):
+        def configure_model(self):
+            self.net = torch.compile(nn.Linear(4, 4))
+
+    assert [shards_in_configure_model(m) for m in (Template, type("Sub", (Template,), {}), ThroughAMethod)] == [1, 1, 1]
+    assert [shards_in_configure_model(m) for m in (BuildsLayers, Compiles, L.LightningModule)] == [0, 0, 0]

@@ -18,8 +18,8 @@ SHARDED_BOUND = 2e-4
 BATCHNORM_SHARDED = (
     "{model} has BatchNorm layers: sharded under ModelParallelStrategy, each rank normalizes by its own samples' "
     "statistics (sync_batchnorm converts them under DDP only), so 2 ranks train other weights than 1 device. To shard, "
-    "use GroupNorm or LayerNorm; a module trained with DDP only need not define configure_model (the suite runs this "
-    "check for one that does)."
+    "use GroupNorm or LayerNorm; to train with DDP only, take the sharding (shard_layers, the device mesh) out of "
+    "configure_model and this check skips."
 )
 
 

@@ -51,7 +51,7 @@ def _measure(args: list[str]) -> dict:
         # The accumulation runs set --data.micro_batch_size, which exists only if the class takes it.
         "takes_micro_batch_size": "micro_batch_size" in inspect.signature(type(data).__init__).parameters,
         # Sharding needs the module to shard its own layers (ModelParallelStrategy does not do it for it).
-        "shards_layers": type(model).configure_model is not L.LightningModule.configure_model,
+        "shards_layers": shards_in_configure_model(type(model)),
         # The schedule parity runs set --model.scheduler, which exists only if the model takes it.
         "takes_scheduler": "scheduler" in inspect.signature(type(model).__init__).parameters,
         # Lightning counts a manual-optimization module's optimizer.step() calls as its steps (several a batch).
@@ -89,6 +89,33 @@ def _measure(args: list[str]) -> dict:
         )
         info |= probe_training_step(model, data, cli.config["model"], unused_ok, cli.config["trainer"].get("strategy"))
     return info
+
+
+# What a configure_model that shards names: ddpkit's shard_layers, torch's fully_shard or parallelize_module (tensor
+# parallel), or the device mesh they take.
+SHARDING_NAMES = {"shard_layers", "fully_shard", "parallelize_module", "device_mesh"}
+
+
+def shards_in_configure_model(module: type) -> bool:
+    """Whether the module's configure_model, or a method of the module it calls, names a way to shard
+    (SHARDING_NAMES). Lightning also recommends configure_model for building large layers in place, which shards
+    nothing: under ModelParallelStrategy such a module then fails to save ("Could not find a distributed model")."""
+    if module.configure_model is L.LightningModule.configure_model:
+        return False
+    seen, todo = set(), [inspect.unwrap(module.configure_model).__code__]
+    while todo:
+        code = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        if SHARDING_NAMES & set(code.co_names):
+            return True
+        todo += [const for const in code.co_consts if inspect.iscode(const)]  # comprehensions, lambdas
+        for name in code.co_names:
+            method = getattr(module, name, None)
+            if inspect.isfunction(method) and method is not getattr(L.LightningModule, name, None):  # the module's own
+                todo.append(inspect.unwrap(method).__code__)
+    return False
 
 
 # Init arguments whose name says they set a random draw's size (a dropout rate, a noise level).
