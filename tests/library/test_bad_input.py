@@ -178,13 +178,14 @@ def test_checks_accept_good_checkpoints_in_either_format(tmp_path, zipfile):
 
 
 def test_a_checkpoint_fits_a_module_that_builds_its_layers_in_configure_model(tmp_path):
-    """Weights the module has not built yet (configure_model runs after the check) are not a different model's; a
-    weight the module has and the checkpoint lacks still is."""
+    """Weights under a submodule the module has not built yet (configure_model runs after the check) are not a
+    different model's; a weight the module has and the checkpoint lacks still is, and so is a layer more inside a
+    container it has built."""
 
     class Lazy(ToyClassifier):
-        def __init__(self, extra: bool = False) -> None:
+        def __init__(self, extra: bool = False, built: bool = False) -> None:
             super().__init__()
-            self.net = None  # built in configure_model
+            self.net = self.net if built else None  # else built in configure_model
             self.extra = torch.nn.Linear(2, 2) if extra else None
 
         def configure_model(self) -> None:
@@ -196,6 +197,9 @@ def test_a_checkpoint_fits_a_module_that_builds_its_layers_in_configure_model(tm
     check_state_dict_fits(Lazy(), path)
     with pytest.raises(BadInput, match=r"\(2 missing, 0 unexpected, 0 of another shape, e.g. extra.bias"):
         check_state_dict_fits(Lazy(extra=True), path)
+    torch.save({"state_dict": {**ToyClassifier().state_dict(), "net.9.weight": torch.ones(1)}}, path)
+    with pytest.raises(BadInput, match=r"\(0 missing, 1 unexpected, 0 of another shape, e.g. net.9.weight\)"):
+        check_state_dict_fits(Lazy(built=True), path)
 
 
 @pytest.mark.parametrize(

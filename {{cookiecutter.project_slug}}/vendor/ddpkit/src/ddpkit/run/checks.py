@@ -287,13 +287,14 @@ def check_manual_accumulation(model: Any, datamodule: Any, world: int) -> None:
 
 def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
     """The checkpoint's weights have the names and shapes of the model's, whatever saved it. A module that defines
-    configure_model may build layers there (Lightning's advice for large models), after this check: the weights it
-    lacks yet may be in the checkpoint, and Lightning's own load still refuses any that do not fit."""
+    configure_model may build layers there (Lightning's advice for large models), after this check: the checkpoint's
+    weights under a submodule it has not built yet are not counted (Lightning's own load still refuses any that do
+    not fit)."""
     saved = load_lazily(ckpt_path)["state_dict"]
     mine = model.state_dict()
     missing, unexpected = sorted(mine.keys() - saved.keys()), sorted(saved.keys() - mine.keys())
     if type(model).configure_model is not LightningModule.configure_model:
-        unexpected = []
+        unexpected = [key for key in unexpected if not _not_built_yet(model, key)]
     reshaped = sorted(k for k in mine.keys() & saved.keys() if tuple(mine[k].shape) != tuple(saved[k].shape))
     if missing or unexpected or reshaped:
         names = (missing or unexpected or reshaped)[:3]
@@ -302,6 +303,20 @@ def check_state_dict_fits(model: torch.nn.Module, ckpt_path: str) -> None:
             f"{len(unexpected)} unexpected, {len(reshaped)} of another shape, e.g. {', '.join(names)}): "
             f"select the model it was trained with (--model ...)."
         )
+
+
+def _not_built_yet(model: torch.nn.Module, key: str) -> bool:
+    """Whether the weight `key` lies under a submodule that `model` has not built: one set to None, or an attribute
+    of the module itself that it lacks. An index or name missing inside a container it has built (a layer more in
+    the checkpoint) is another model's."""
+    owner: Any = model
+    for part in key.split(".")[:-1]:
+        if not hasattr(owner, part):
+            return owner is model
+        owner = getattr(owner, part)
+        if owner is None:
+            return True
+    return False
 
 
 def plain_datamodule_warning(datamodule: Any) -> str:
