@@ -136,6 +136,26 @@ def test_the_callback_acts_in_float64_runs_only_and_writes_where_it_kept_float64
     assert torch.randn(2, dtype=torch.float64).float().dtype == torch.float32
 
 
+class Raises(Tiny):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        super().training_step(batch, batch_idx)
+        raise ValueError("the user's step failed")
+
+
+def test_a_fit_that_raises_leaves_no_mode_active(tmp_path):
+    """Lightning calls no teardown hook after an exception; the suite's probes fit in the pytest process, so the
+    callback leaves on the exception too: afterwards a cast of float64 gives float32 again (mutation: without
+    `on_exception` the mode stays on the stack)."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision="64-true", max_epochs=1, default_root_dir=tmp_path, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Float64Throughout()],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="the user's step failed"):
+        trainer.fit(Raises())
+    assert torch.randn(2, dtype=torch.float64).float().dtype == torch.float32
+
+
 def test_every_float64_command_of_the_suite_carries_the_callback():
     """fit, the one-step runs, validate/test/predict and the cluster launchers' runs all add Float64Throughout: a run
     without it would round where its reference does not (mutation: dropping it from cluster_args fails here)."""

@@ -99,3 +99,25 @@ def test_the_suite_names_a_per_batch_count_and_the_fix_before_any_run(loss):
     steps = plan({"steps_per_epoch": 4, "global_batch_size": 16, "takes_micro_batch_size": True, "batch_mean": written})
     with pytest.raises(pytest.fail.Exception, match="^Tagger's loss of a batch is not the mean"):
         comparable(steps)
+
+
+class ScaledInFloat32(Tagger):
+    """Tagger whose features pass through float32 around a scale its micro-batch works out: the same in exact
+    arithmetic, but rounded otherwise when the batch is split, as a Hugging Face model that casts to float32 inside
+    (an RMSNorm) rounds otherwise in a batch padded to another longest sequence."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, target = batch
+        scale = x.abs().amax()
+        x = ((x / scale).float() * scale.float()).to(x.dtype)
+        return super().training_step((x, y, target), batch_idx)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_the_count_probe_runs_a_model_that_casts_to_float32_in_float64(loss):
+    """The probe's step keeps such a model in float64, as the suite's float64 runs do (Float64Throughout): a
+    global_mean loss gets no line (without it, its split batch's gradient read 1e-8 apart and the suite told a Qwen2
+    with losses.md's fix to use global_mean), and the loss as usually written still gets it."""
+    assert batch_mean_line(ScaledInFloat32(loss, "global"), Sequences(global_batch_size=16)) == ""
+    written = batch_mean_line(ScaledInFloat32(loss, "batch"), Sequences(global_batch_size=16))
+    assert written.startswith("ScaledInFloat32's loss of a batch is not the mean of its samples' losses")

@@ -129,6 +129,11 @@ class Float64Throughout(L.Callback):
             self.mode = KeepFloat64()
             self.mode.__enter__()
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown hook after an exception: the mode would stay active in the process (the suite
+        # runs its probes' fits in the pytest process itself).
+        self.teardown(trainer, pl_module, "")
+
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.mode is None:
             return

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from ..lightning_internals import BatchNormBase
+from .float64 import Float64Throughout
 from .parity_probe import NoDropout
 
 # float64, the same weights and samples: the gradient in 2 micro-batches was 1.9e-16 to 4.4e-16 of the whole batch's
@@ -52,7 +53,10 @@ def one_step(model, data, micro_batch_size: int | None) -> dict[str, torch.Tenso
 
 def probe_trainer(root: str, callback: L.Callback, **stop) -> L.Trainer:
     """A quiet 1-device float64 Trainer in `root` that trains until `stop` (Lightning's max_steps, ...) with
-    `callback`, no validation, logger or checkpoint: the probes' one step (here and configured.py). The earlier probe
+    `callback`, no validation, logger or checkpoint: the probes' one step (here and configured.py). Under
+    Float64Throughout, as the suite's float64 runs: a model that casts to float32 inside (Hugging Face's RMSNorms)
+    rounds otherwise in a batch padded to other lengths, and its split batch's gradient then read as 1.4e-08 apart
+    with a correct global_mean loss (docs/measurements.md, "Per-batch counts"). The earlier probe
     fits' trainers, modules and optimizer states hold each other in reference cycles, which Python frees only when its
     cycle collector runs: collected first, so that one fit's memory is held at a time (unreferenced, the 4 probe fits
     of a 124M-parameter float64 GPT-2 held 23.8 GB together and the process was killed: docs/measurements.md)."""
@@ -60,7 +64,7 @@ def probe_trainer(root: str, callback: L.Callback, **stop) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", devices=1, precision="64-true", limit_val_batches=0, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[callback], default_root_dir=root, **stop,
+        callbacks=[callback, Float64Throughout()], default_root_dir=root, **stop,
     )  # fmt: skip
 
 
