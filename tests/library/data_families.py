@@ -1,8 +1,9 @@
 """Models and data written from scratch the way users write them, for the guarantee suite's handling of data and
 parameters (test_suite_on_data.py): an LSTM classifier over variable-length token sequences, batched by a collate
 that pads each batch to its longest sequence and read with `pack_padded_sequence`; the same data built differently
-in each process (a vocabulary numbered by iterating a `set` of strings, a shuffle from an unseeded generator); and a
-module with a head used only in validation, whose parameters get no gradient in training.
+in each process (a vocabulary numbered by iterating a `set` of strings, a shuffle from an unseeded generator); the
+same data masked per batch in the collate function; and a module with a head used only in validation, whose
+parameters get no gradient in training.
 """
 
 import random
@@ -207,6 +208,21 @@ class GlobalShuffleData(TextData):
         return dataset
 
 
+def mask_tokens(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """pad_to_longest, then 15 % of the tokens replaced by the padding id, drawn for the batch: the pattern of a
+    masked language model's collator (Hugging Face's DataCollatorForLanguageModeling)."""
+    ids, lengths, labels = pad_to_longest(samples)
+    return ids.masked_fill(torch.rand(ids.shape) < 0.15, 0), lengths, labels
+
+
+class MaskingCollateData(TextData):
+    """TextData whose training batches are masked in the collate function: each rank would mask its own share of
+    the global batch with draws of its own."""
+
+    def loader_kwargs(self) -> dict:
+        return super().loader_kwargs() | {"collate_fn": mask_tokens}
+
+
 # --- A parameter that gets no gradient in training ------------------------------------------------------------------
 
 
@@ -235,6 +251,7 @@ class ValidationHeadClassifier(ToyClassifier):
 __all__ = [
     "GlobalShuffleData",
     "LSTMClassifier",
+    "MaskingCollateData",
     "SetVocabularyData",
     "SmallToyData",
     "TextData",

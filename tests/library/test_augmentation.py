@@ -11,7 +11,8 @@ import torch
 from procs import concurrently, run
 from torch.utils.data import Dataset
 
-from ddpkit.data.draws import SeededSamples, own_draws, read_as_identity, seeded_draws
+from ddpkit.data.draws import SeededSamples, batch_draws, own_draws, read_as_identity, seeded_draws
+from ddpkit.data.mixing import MixSamples
 from ddpkit.data.sampling import GlobalBatchSampler, ResumableLoader
 
 SCRIPT = Path(__file__).with_name("augmented.py")
@@ -152,3 +153,93 @@ def test_a_dataset_that_reads_whole_batches_is_read_through_its_own_call():
     data = Batched()
     assert SeededSamples(data, seed=0).__getitems__([(0, 3), (0, 5), (0, 7)]) == [6, 10, 14]
     assert data.calls == [[3, 5, 7]]
+
+
+class Images(Dataset):
+    """20 one-channel 8x8 images, sample i filled with its class i % 3 (so an image's mean says its classes' shares)
+    plus a draw from torch's generator (an augmentation)."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int):
+        return torch.full((1, 8, 8), float(i % 3)) + 1e-3 * torch.rand(()), i % 3
+
+
+def loader(dataset: Dataset, world: int = 1, rank: int = 0, epoch: int = 1, collate_fn=None) -> ResumableLoader:
+    sampler = GlobalBatchSampler(dataset, 4, num_replicas=world, rank=rank, seed=3, with_epoch=True)
+    sampler.set_epoch(epoch)
+    kwargs = {"collate_fn": collate_fn} if collate_fn else {}
+    return ResumableLoader(SeededSamples(dataset, 3), batch_size=4 // world, sampler=sampler, **kwargs)
+
+
+def mix_in_collate(draw):
+    """A collate function that mixes the batch with itself flipped, its weight from `draw()`."""
+
+    def collate(samples):
+        x, y = torch.utils.data.default_collate(samples)
+        lam = draw()
+        return lam * x + (1 - lam) * x.flip(0), y
+
+    return collate
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [lambda: torch.rand(()).item(), lambda: float(np.random.beta(0.4, 0.4)), random.random],
+    ids=["torch", "numpy", "python"],
+)
+def test_a_draw_per_batch_is_named_and_draws_per_sample_are_not(draw):
+    """Cost: < 1 s. MixUp in the collate function, its weight drawn from each global generator: the first batch read
+    twice under other seeds differs, one line that names the fix; the same data augmented or mixed per sample
+    (MixSamples) passes. Mutation: the seeds 1 and 2 (NumPy takes their high 32 bits: the numpy case passes)."""
+    line = batch_draws(loader(Images(), collate_fn=mix_in_collate(draw)))
+    assert line.startswith("the train loader's batches change with the random state outside the samples' own draws")
+    assert "ddpkit.MixSamples" in line and "\n" not in line
+    assert batch_draws(loader(Images())) == ""
+    assert batch_draws(loader(MixSamples(Images(), 3, mixup_alpha=1.0, cutmix_alpha=1.0))) == ""
+
+
+def rows(world: int, epoch: int) -> list[tuple]:
+    mixed = MixSamples(Images(), 3, mixup_alpha=1.0, cutmix_alpha=1.0)
+    out = []
+    for rank in range(world):
+        for x, target in loader(mixed, world, rank, epoch):
+            out += [(tuple(a.flatten().tolist()), tuple(t.tolist())) for a, t in zip(x, target, strict=True)]
+    return sorted(out)
+
+
+def test_mixed_samples_are_the_same_on_1_and_2_ranks_and_new_each_epoch():
+    """Cost: < 1 s. MixUp and CutMix per sample: epoch 1's mixed samples and targets on 2 ranks are 1 rank's, and
+    epoch 2's are others. Mutation: a partner drawn from a generator of MixSamples' own."""
+    assert rows(2, 1) == rows(1, 1)
+    assert rows(1, 2) != rows(1, 1)
+
+
+@pytest.mark.parametrize("alphas", [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0)], ids=["mixup", "cutmix", "both"])
+def test_a_mixed_targets_weights_are_the_shares_of_the_mixed_images(alphas):
+    """Cost: < 1 s. Image i is filled with its class (i % 3): a mixed image's mean is the sum of each class times its
+    weight in the soft target, for MixUp (the weight) and CutMix (the pasted box's share, corrected at the edges);
+    targets sum to 1; some samples mixed across classes. Mutation: CutMix's target weighted by the drawn weight, not
+    the pasted share."""
+    mixed = MixSamples(Images(), 3, *alphas)
+    across = 0
+    for index in range(20):
+        with seeded_draws(index):
+            x, target = mixed[index]
+        assert target.sum().item() == pytest.approx(1.0)
+        assert x.mean().item() == pytest.approx((target * torch.arange(3.0)).sum().item(), abs=2e-3)
+        across += int((target > 0).sum()) > 1
+    assert across >= 5
+
+
+def test_unmixed_samples_keep_their_input_and_a_smoothed_one_hot_target():
+    """Cost: < 1 s. `prob=0` mixes nothing: the input as read and the one-hot target less the smoothing; no alpha
+    is refused."""
+    with seeded_draws(0):
+        x, target = MixSamples(Images(), 3, prob=0.0, label_smoothing=0.3)[4]
+    with seeded_draws(0):
+        assert torch.equal(x, Images()[4][0])
+    assert target.tolist() == pytest.approx([0.1, 0.8, 0.1])
+    with pytest.raises(ValueError, match="give one or both > 0"):
+        MixSamples(Images(), 3, mixup_alpha=0.0, cutmix_alpha=0.0)

@@ -341,3 +341,14 @@ def test_a_shuffle_drawn_from_the_seeded_global_stream_is_no_random_step(suites)
     # Noise drawn in the step is still seen with such data: the same batch, two seeds, two ends.
     noisy = describe(*COMMON, *lstm, "--model.noise", "0.1")["random_step"]
     assert noisy.startswith("LSTMClassifier's training step draws random numbers") and "--model.noise 0" in noisy
+
+
+def test_a_collate_function_that_masks_per_batch_is_named_before_any_step(suites):
+    """Tokens masked in the collate function (an MLM collator's pattern) are drawn per batch: each rank would mask
+    its share with its own draws. The suite names that, and not the step or a count (the training-step probes,
+    which would blame one of them, do not run). Mutation: batch_draws reading the batch once (no line)."""
+    masked = describe(*COMMON, "--model", "data_families.LSTMClassifier", "--data", "data_families.MaskingCollateData")
+    assert masked["batch_draws"].startswith("the train loader's batches change with the random state outside the")
+    assert "ddpkit.MixSamples" in masked["batch_draws"] and "random_step" not in masked
+    # The same data unmasked, and every family's: no line (the dataset's own draws are seeded per sample).
+    assert all(suite.configured["batch_draws"] == "" for suite in suites.values())

@@ -308,7 +308,8 @@ def test_compare_command_ends_runs_that_cannot_be_compared_with_one_error_line(t
         ({"noise_std": 0.1, "width": 8}, "PARITY_ARGS='--model.noise_std 0'"),
         ({"dropout": 0.1, "use_noise": True}, "PARITY_ARGS='--model.dropout 0 --model.use_noise false'"),
         ({"noise": "data", "dropout": 0.0}, "set --model.noise (now 'data') to the value that draws nothing"),
-        ({"width": 8, "drop_path": 0.0}, "none of the model's arguments is a dropout or noise rate that is on"),
+        ({"width": 8, "drop_path": 0.0}, "none of the model's arguments is a dropout, noise or mixing rate that is"),
+        ({"mixup_alpha": 0.4, "cutmix_alpha": 0.0}, "PARITY_ARGS='--model.mixup_alpha 0'"),
     ],
 )
 def test_random_step_message_names_the_real_switch(given, says):

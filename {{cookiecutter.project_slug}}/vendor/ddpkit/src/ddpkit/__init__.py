@@ -3,7 +3,8 @@
 A project's own code meets it through a few public names: its data module subclasses
 `GlobalBatchDataModule` (global batch, micro-batches, sampling, exact resume, exactly-once evaluation), or
 `StreamingDataModule` for shards that do not fit in memory (the same promises, ddpkit.data.streaming),
-its `configure_optimizers` may return `optimization(...)`, it may log a loss with `Mean` (a weighted mean over
+its training set may mix samples with `MixSamples` (MixUp, CutMix), its `configure_optimizers` may return
+`optimization(...)`, it may log a loss with `Mean` (a weighted mean over
 the ranks), its `configure_model` may call `compile_layers` and `shard_layers`, and its `training_step` may
 divide a loss by the global batch's count (`global_mean`). `main.py` runs `ddpkit.run.cli.main`; `tests/` runs
 `ddpkit.testing`.
@@ -23,12 +24,13 @@ from typing import TYPE_CHECKING
 
 # The one place the version is written: hatchling reads it for the package ([tool.hatch.version]); a run
 # records it in its checkpoints, its logged hyperparameters and the doctor's report.
-__version__ = "0.12.10"
+__version__ = "0.12.11"
 
 # The public names, imported on first use (PEP 562): `python -m ddpkit.scaling` (the sweep's driver, --explain)
 # needs neither torch nor Lightning, and importing them for every `python -m ddpkit.<tool>` cost ~3 s of start-up.
 if TYPE_CHECKING:  # what editors and type checkers read
     from .data.global_batch import GlobalBatchDataModule
+    from .data.mixing import MixSamples
     from .data.streaming import StreamingDataModule
     from .model.compiling import compile_layers
     from .model.losses import global_mean
@@ -41,6 +43,7 @@ _HOMES = {
     "GlobalBatchDataModule": "data.global_batch",
     "global_mean": "model.losses",
     "Mean": "model.metrics",
+    "MixSamples": "data.mixing",
     "WarmupCosine": "model.schedules",
     "optimization": "model.schedules",
     "shard_layers": "model.sharding",
@@ -50,6 +53,7 @@ _HOMES = {
 __all__ = [
     "GlobalBatchDataModule",
     "Mean",
+    "MixSamples",
     "StreamingDataModule",
     "WarmupCosine",
     "__version__",

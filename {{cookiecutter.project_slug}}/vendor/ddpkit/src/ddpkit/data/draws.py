@@ -9,7 +9,9 @@ what the uninterrupted run drew. The sampler hands the epoch over with each inde
 with_epoch=True)`), so workers kept from epoch to epoch see it too.
 
 `own_draws` finds a dataset that draws from a generator of its own (`np.random.default_rng()` made in `__init__`),
-which no seeding here reaches: the same (epoch, index) read twice gives two samples.
+which no seeding here reaches: the same (epoch, index) read twice gives two samples. `batch_draws` finds a draw made
+per batch (a collate function's MixUp), which mixes each rank's share of the batch by its own: mixing.MixSamples
+draws it per sample instead.
 """
 
 import contextlib
@@ -126,6 +128,27 @@ def own_draws(dataset: Any, name: str = "train", epoch: int = 0, indices: int = 
                 "vendor/ddpkit/docs/augmentation.md)"
             )
     return ""
+
+
+def batch_draws(loader: Any, name: str = "train") -> str:
+    """One line where the loader's first batch changes with the global generators' state, "" where it does not: read
+    twice, the generators seeded 1 and 2 before each. Every sample's own draws are seeded from its index alike, so a
+    difference is a draw made per batch: MixUp or CutMix in a collate function, a masking collator, a dataset's
+    `__getitems__`. Each rank would draw its own for its share of the global batch."""
+    batches = []
+    for before in (1 << 32 | 1, 2 << 32 | 2):  # other seeds for NumPy too (it takes the high 32 bits)
+        with seeded_draws(before):
+            batches.append(next(iter(loader)))
+    if same(*batches):
+        return ""
+    return (
+        f"the {name} loader's batches change with the random state outside the samples' own draws (its first batch "
+        "read twice, torch's, Python's and NumPy's global generators seeded otherwise before each, every sample's "
+        "draws seeded alike, gave two different batches): a draw per batch (MixUp or CutMix in a collate function, "
+        "a masking collator, a dataset's __getitems__) mixes each rank's share of the global batch with draws of its "
+        "own, so 1 and N devices cannot train the same weights; draw per sample in the dataset's __getitem__ "
+        "instead, e.g. ddpkit.MixSamples for MixUp and CutMix (the manual: vendor/ddpkit/docs/augmentation.md)"
+    )
 
 
 def same(a: Any, b: Any) -> bool:

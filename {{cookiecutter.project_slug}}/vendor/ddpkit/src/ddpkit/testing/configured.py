@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from ..data.draws import own_draws
+from ..data.draws import batch_draws, own_draws
 from ..data.sampling import replaced_sampler
 from ..lightning_internals import BatchNormBase, ddp_kwargs
 from .helpers import project, run_main
@@ -77,7 +77,8 @@ def _measure(args: list[str]) -> dict:
             "val_size": len(data.val_set) if data.val_set is not None else 0,
             # The causes that stop the runs from seeing the same samples, one sentence each (plugin's `steps`).
             "dataset_draws": own_draws(data.train_set) if data.seeded_draws else "",
-            "replaced_sampler": replaced_sampler(data, data.train_dataloader()),
+            "replaced_sampler": replaced_sampler(data, loader := data.train_dataloader()),
+            "batch_draws": batch_draws(loader) if data.seeded_draws else "",
         }
         data.setup("test")
         info["test_size"] = len(data.test_set) if data.test_set is not None else 0
@@ -87,7 +88,9 @@ def _measure(args: list[str]) -> dict:
         unused_ok = (
             ddp_kwargs(strategy).get("find_unused_parameters", False) if isinstance(strategy, DDPStrategy) else None
         )
-        info |= probe_training_step(model, data, cli.config["model"], unused_ok, cli.config["trainer"].get("strategy"))
+        strategy_config = cli.config["trainer"].get("strategy")
+        if not info["batch_draws"]:  # with draws per batch the step's probes would blame the step or the loss
+            info |= probe_training_step(model, data, cli.config["model"], unused_ok, strategy_config)
     return info
 
 
@@ -118,8 +121,9 @@ def shards_in_configure_model(module: type) -> bool:
     return False
 
 
-# Init arguments whose name says they set a random draw's size (a dropout rate, a noise level).
-RATE_NAMES = re.compile(r"drop|noise", re.IGNORECASE)
+# Init arguments whose name says they set a random draw's size (a dropout rate, a noise level, MixUp's or CutMix's
+# alpha, as timm's Mixup takes it: 0 switches it off).
+RATE_NAMES = re.compile(r"drop|noise|mix", re.IGNORECASE)
 
 
 def probe_training_step(model, data, model_config, unused_ok: bool | None = None, strategy_config=None) -> dict:
@@ -162,8 +166,8 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
         random_step = (
             f"{type(model).__name__}'s training step draws random numbers (one step from the same weights and batch "
             f"under seeds 0 and 1 changes {len(changed)} of {len(first)} tensors differently, e.g. {changed[0]}), "
-            f"so 1 and N devices cannot train the same weights: {switch_off(given)}, or draw it in the data set "
-            "(the manual: vendor/ddpkit/docs/your-model.md, step 2)"
+            f"so 1 and N devices cannot train the same weights: {switch_off(given)}, or draw it in the data set, "
+            "per sample (MixUp and CutMix: ddpkit.MixSamples; the manual: vendor/ddpkit/docs/your-model.md, step 2)"
         )
     unused = "" if unused_ok in (True, None) or not one.unused else unused_line(model, one, strategy_config)
     # A step that draws random numbers differs in micro-batches anyway: that line comes first.
@@ -248,8 +252,8 @@ def switch_off(given: dict) -> str:
     if others:
         return f"set {', '.join(others)} to the value that draws nothing, for the checks, in PARITY_ARGS"
     return (
-        "none of the model's arguments is a dropout or noise rate that is on: give the draw a switch and set it "
-        "off for the checks in PARITY_ARGS"
+        "none of the model's arguments is a dropout, noise or mixing rate that is on: give the draw a switch and set "
+        "it off for the checks in PARITY_ARGS"
     )
 
 

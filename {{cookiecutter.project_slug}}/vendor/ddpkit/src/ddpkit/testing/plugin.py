@@ -90,7 +90,8 @@ def global_batch(configured, pytestconfig) -> dict:
 def steps(global_batch) -> dict:
     """The steps of the shared runs: resume points, micro-batch size, whether a schedule is added (runs.plan). Every
     test that needs runs skips, pointing at the check that says why, where DDP would stop at its first step, and
-    fails with the sentence where the training set draws from a generator of its own (data/draws.own_draws)."""
+    fails with the sentence where the training set draws from a generator of its own (data/draws.own_draws) or the
+    loader draws per batch (data/draws.batch_draws)."""
     reason = unused_skip(global_batch)
     if reason:
         pytest.skip(reason)
@@ -99,6 +100,9 @@ def steps(global_batch) -> dict:
         # and every comparison would then skip on "different datasets". The cause instead, in every test that
         # needs runs, and none started.
         pytest.fail(global_batch["dataset_draws"], pytrace=False)
+    if global_batch.get("batch_draws"):
+        # Each rank would mix its share of the batch by its own draws: every comparison would fail on its numbers.
+        pytest.fail(global_batch["batch_draws"], pytrace=False)
     return plan(global_batch)
 
 

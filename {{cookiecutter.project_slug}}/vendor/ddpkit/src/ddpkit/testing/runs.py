@@ -96,6 +96,7 @@ def plan(configured: dict) -> dict:
         "random_step": configured.get("random_step", ""),
         "batch_mean": configured.get("batch_mean", ""),
         "dataset_draws": configured.get("dataset_draws", ""),
+        "batch_draws": configured.get("batch_draws", ""),
         "replaced_sampler": configured.get("replaced_sampler", ""),
         "stages": configured.get("stages", ["validate", "test", "predict"]),
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
@@ -120,9 +121,9 @@ def global_step(steps: dict, batches: int) -> int:
 
 def comparable(steps: dict) -> None:
     """Fail with the reason, instead of on a number, where the runs cannot see the same samples (check_data's
-    same_samples), a training step draws random numbers or a loss is divided by a count of the batch it is
-    given (configured.probe_training_step)."""
-    for cause in ("dataset_draws", "replaced_sampler", "random_step", "batch_mean"):
+    same_samples), the loader draws per batch (data/draws.batch_draws), a training step draws random numbers or a
+    loss is divided by a count of the batch it is given (configured.probe_training_step)."""
+    for cause in ("dataset_draws", "batch_draws", "replaced_sampler", "random_step", "batch_mean"):
         if steps.get(cause):
             pytest.fail(steps[cause], pytrace=False)
 
