@@ -7,8 +7,10 @@ from own_orders import OwnSampler, Weighted
 from procs import toy_ok
 from torch.utils.data import TensorDataset
 
+from ddpkit.data.draws import batch_draws
 from ddpkit.data.order import bucketed_order, weighted_order
 from ddpkit.data.sampling import GlobalBatchSampler, ResumableLoader, replaced_sampler
+from ddpkit.testing.runs import comparable, plan
 
 DATA = TensorDataset(torch.arange(50))
 WEIGHTS = torch.tensor([10.0 if i < 5 else 1.0 for i in range(50)])
@@ -89,6 +91,19 @@ def test_a_loader_with_a_sampler_of_the_users_is_named_with_what_it_gives_up():
     weighted = Weighted(global_batch_size=32)
     weighted.setup("fit")
     assert isinstance(weighted.train_dataloader(), ResumableLoader)  # an order of one's own keeps the loader
+
+
+def test_a_sampler_of_the_users_is_named_before_a_draw_per_batch():
+    """Cost: < 1 s. A RandomSampler of the user's draws its order at each pass, so its loader's first batch also
+    changes with the global seed (draws.batch_draws): the sampler's sentence is the one the suite fails with.
+    Mutation: runs.comparable looking at batch_draws first."""
+    data = OwnSampler(global_batch_size=32)
+    data.setup("fit")
+    assert batch_draws(data.train_dataloader()).startswith("the train loader's batches change")
+    steps = plan({"steps_per_epoch": 4, "global_batch_size": 32, "takes_micro_batch_size": True,
+                  "replaced_sampler": "SAMPLER", "batch_draws": "BATCH"})  # fmt: skip
+    with pytest.raises(pytest.fail.Exception, match="^SAMPLER$"):
+        comparable(steps)
 
 
 def test_the_resume_test_fails_with_the_sentence_not_a_key_error():

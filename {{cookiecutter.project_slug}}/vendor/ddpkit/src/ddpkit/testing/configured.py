@@ -77,8 +77,9 @@ def _measure(args: list[str]) -> dict:
             "val_size": len(data.val_set) if data.val_set is not None else 0,
             # The causes that stop the runs from seeing the same samples, one sentence each (plugin's `steps`).
             "dataset_draws": own_draws(data.train_set) if data.seeded_draws else "",
-            "replaced_sampler": replaced_sampler(data, loader := data.train_dataloader()),
-            "batch_draws": batch_draws(loader) if data.seeded_draws else "",
+            "replaced_sampler": (replaced := replaced_sampler(data, loader := data.train_dataloader())),
+            # A sampler of the user's draws its order per pass, which reads as a draw per batch: its line comes first.
+            "batch_draws": batch_draws(loader) if data.seeded_draws and not replaced else "",
         }
         data.setup("test")
         info["test_size"] = len(data.test_set) if data.test_set is not None else 0

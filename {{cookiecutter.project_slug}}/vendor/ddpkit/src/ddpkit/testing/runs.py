@@ -123,7 +123,7 @@ def comparable(steps: dict) -> None:
     """Fail with the reason, instead of on a number, where the runs cannot see the same samples (check_data's
     same_samples), the loader draws per batch (data/draws.batch_draws), a training step draws random numbers or a
     loss is divided by a count of the batch it is given (configured.probe_training_step)."""
-    for cause in ("dataset_draws", "batch_draws", "replaced_sampler", "random_step", "batch_mean"):
+    for cause in ("dataset_draws", "replaced_sampler", "batch_draws", "random_step", "batch_mean"):
         if steps.get(cause):
             pytest.fail(steps[cause], pytrace=False)
 
