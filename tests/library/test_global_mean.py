@@ -17,7 +17,7 @@ import pytest
 import torch
 from ddpkit.testing.loss_probe import batch_mean_line
 from ddpkit.testing.runs import comparable, plan
-from global_mean_fit import Sequences, Tagger
+from global_mean_fit import FEATURES, Sequences, Tagger
 from procs import TESTS, finish, start
 
 LOSSES = ["tokens", "weighted", "masked"]
@@ -121,3 +121,29 @@ def test_the_count_probe_runs_a_model_that_casts_to_float32_in_float64(loss):
     assert batch_mean_line(ScaledInFloat32(loss, "global"), Sequences(global_batch_size=16)) == ""
     written = batch_mean_line(ScaledInFloat32(loss, "batch"), Sequences(global_batch_size=16))
     assert written.startswith("ScaledInFloat32's loss of a batch is not the mean of its samples' losses")
+
+
+class NormalizedTagger(Tagger):
+    """Tagger whose features pass a BatchNorm layer first (a segmentation model's BatchNorm, in miniature)."""
+
+    def __init__(self, loss: str = "tokens", count: str = "batch") -> None:
+        super().__init__(loss, count)
+        self.norm = torch.nn.BatchNorm1d(FEATURES, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        x, y, target = batch
+        return super().training_step((self.norm(x.transpose(1, 2)).transpose(1, 2), y, target), batch_idx)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_the_count_probe_looks_at_a_batchnorm_model_too(loss):
+    """A BatchNorm model's loss is probed with the layers at their running statistics: global_mean gets no line,
+    the loss as usually written gets it (it had been skipped, so a U-Net with a batch-level Dice failed on numbers
+    alone). Mutation: the layers left on the batch's statistics (every BatchNorm model gets the line)."""
+    assert batch_mean_line(NormalizedTagger(loss, "global"), Sequences(global_batch_size=16)) == ""
+    written = batch_mean_line(NormalizedTagger(loss, "batch"), Sequences(global_batch_size=16))
+    assert written.startswith("NormalizedTagger's loss of a batch is not the mean of its samples' losses")
+    # Without running statistics the layers normalize by the batch in eval mode too: not looked at.
+    batch_only = NormalizedTagger(loss, "global")
+    batch_only.norm.track_running_stats, batch_only.norm.running_mean, batch_only.norm.running_var = False, None, None
+    assert batch_mean_line(batch_only, Sequences(global_batch_size=16)) == ""

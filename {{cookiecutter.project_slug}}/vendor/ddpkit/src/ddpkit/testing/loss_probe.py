@@ -27,13 +27,20 @@ APART = 1e-9
 
 
 class Gradients(NoDropout):
-    """Seeds the random streams at every micro-batch and keeps the gradient the optimizer step is given."""
+    """Seeds the random streams at every micro-batch, holds BatchNorm layers at their running statistics and keeps
+    the gradient the optimizer step is given."""
 
     def __init__(self) -> None:
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         torch.manual_seed(0)
+        # Normalized by the batch's own statistics, a micro-batch's samples would come out otherwise than in the
+        # whole batch whatever the loss. At their running statistics (fixed here: not updated in eval mode) the
+        # layers act on each sample alone, so what is left to differ is the loss.
+        for module in pl_module.modules():
+            if isinstance(module, BatchNormBase):
+                module.eval()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
@@ -70,12 +77,13 @@ def probe_trainer(root: str, callback: L.Callback, **stop) -> L.Trainer:
 
 def batch_mean_line(model, data) -> str:
     """ "" where the global batch's gradient in 2 micro-batches points where the whole batch's does, else the line
-    that says the loss is not a mean over samples, how far the two are apart, and the fix. Not looked at ("") where
-    the step cannot be split: manual optimization (no micro-batches), BatchNorm (micro-batches change its
-    statistics), a data module without micro-batches or an odd global batch."""
+    that says the loss is not a mean over samples, how far the two are apart, and the fix. BatchNorm layers are held
+    at their running statistics for both steps (Gradients). Not looked at ("") where the step cannot be split:
+    manual optimization (no micro-batches), BatchNorm without running statistics (`track_running_stats=False`
+    normalizes by the batch in eval mode too), a data module without micro-batches or an odd global batch."""
     splits = (
         model.automatic_optimization
-        and not any(isinstance(m, BatchNormBase) for m in model.modules())
+        and all(m.track_running_stats for m in model.modules() if isinstance(m, BatchNormBase))
         and hasattr(data, "micro_batch_size")
         and data.global_batch_size % 2 == 0
     )
