@@ -3,17 +3,21 @@
 When one of these fails after an upgrade, ddp/lightning_internals.py is the one file to mend.
 """
 
+import copy
 import os
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI, OptimizerCallable
 from lightning.pytorch.strategies import DDPStrategy
 from packaging.version import Version
 from torch.distributed.constants import default_pg_timeout
 
 from ddpkit import lightning_internals as internals
+from ddpkit.testing.toy import ToyClassifier
+from ddpkit.testing.toy import main as toy_main
 
 VERSIONS = (
     f"Lightning {L.__version__}, torch {torch.__version__} (the library is tested on Lightning 2.5.1 with torch 2.4.0 "
@@ -244,3 +248,32 @@ def test_fully_shard_shards_on_every_supported_torch(tmp_path):
     assert shards_on_cpu() == torch_at_least("2.6")
     if shards_on_cpu():
         assert torch.equal(out, expected)
+
+
+class KeepsOptimizer(ToyClassifier):
+    """The toy classifier taking its optimizer as LightningCLI's docs write it, and keeping it."""
+
+    def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.optimizer = optimizer
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters())
+
+
+def test_a_class_argument_the_module_keeps_holds_no_cli():
+    """After the CLI builds the module, the optimizer it keeps is `partial(AdamW, lr=...)`: a copy of it copies no
+    CLI and no trainer (jsonargparse's partial held the CLI and through it the trainer, so Lightning's
+    EMAWeightAveraging failed on rank 0 of 2 processes with "cannot pickle '_thread.lock' object"), and it still
+    builds the configured optimizer. Mutation: plain_callables not called (the copy holds the CLI)."""
+    cli = toy_main(
+        ["--trainer.devices", "1", "--trainer.logger", "false", "--model", "test_lightning_internals.KeepsOptimizer",
+         "--model.optimizer.lr", "0.05"],
+        run=False,
+    )  # fmt: skip
+    optimizer = cli.model.optimizer
+    copied: dict = {}
+    copy.deepcopy(optimizer, copied)
+    assert not any(isinstance(obj, L.Trainer | LightningCLI) for obj in copied.values())
+    built = optimizer([torch.nn.Parameter(torch.zeros(1))])
+    assert isinstance(built, torch.optim.AdamW) and built.defaults["lr"] == 0.05

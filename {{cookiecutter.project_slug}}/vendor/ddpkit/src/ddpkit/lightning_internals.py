@@ -7,6 +7,7 @@ Tested at the supported ranges' ends: Lightning 2.5.1 with torch 2.4.0, Lightnin
 that the oldest releases lack are in SINCE (Lightning's) and TORCH_SINCE (torch's), with the release that added each.
 """
 
+import functools
 import json
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,6 +66,23 @@ class SubcommandCLI(LightningCLI):
     def run_subcommand(self, subcommand: str) -> None:
         """Run `before_<subcommand>`, the trainer's `<subcommand>` and `after_<subcommand>`."""
         super()._run_subcommand(subcommand)
+
+
+def plain_callables(module: Any) -> None:
+    """Each class argument a module keeps as jsonargparse built it (an `OptimizerCallable`, `LRSchedulerCallable`:
+    `partial(call_without_instantiate_context, instantiator, cls, **kwargs)`, jsonargparse 4.53) becomes
+    `partial(cls, **kwargs)`, which makes the same object. jsonargparse's instantiator holds the CLI, and through it
+    the trainer: a copy of a module that keeps one (`self.optimizer`, as LightningCLI's docs write it) copied the
+    whole CLI, and on rank 0 of a multi-process run failed on the launcher's processes ("cannot pickle
+    '_thread.lock' object": Lightning's EMAWeightAveraging). Other forms are left as they are."""
+    for name, value in list(vars(module).items()):
+        if (
+            isinstance(value, functools.partial)
+            and getattr(value.func, "__name__", "") == "call_without_instantiate_context"
+            and len(value.args) >= 2
+            and isinstance(value.args[1], type)
+        ):
+            setattr(module, name, functools.partial(value.args[1], *value.args[2:], **value.keywords))
 
 
 def is_subprocess_launcher(launcher: Any) -> bool:

@@ -30,7 +30,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ..data.global_batch import GlobalBatchDataModule
 from ..data.sampling import ResumeLoaderPosition
-from ..lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, set_ddp_timeout
+from ..lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_launcher, plain_callables, set_ddp_timeout
 from ..model.batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from ..model.matmul import CHOICES as MATMUL_CHOICES
 from ..model.matmul import float32_matmul_precision
@@ -197,6 +197,7 @@ class CLI(SubcommandCLI):
             if rank_label() == "0":
                 sys.stderr.write(f"error: {error}\n")
             sys.exit(2)
+        plain_callables(self.model)  # a copy of the module (EMA, SWA, the suite's probes) must not copy the CLI
         if self.trainer.precision == "64-true":
             # Lightning loads checkpoint weights before the precision plugin converts the model, which
             # would round float64 weights to float32 on resume. Converting first keeps them exact.
