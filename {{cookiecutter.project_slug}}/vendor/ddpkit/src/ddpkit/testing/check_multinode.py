@@ -77,7 +77,7 @@ def test_slurm_job_of_two_nodes_trains_the_same_weights_as_one_device(cpu_runs, 
 @reads("slurm-requeue")
 def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(cpu_runs, global_batch):
     """SIGUSR1 (SLURM, before the time limit): hpc_ckpt_1.ckpt and `scontrol requeue`; the rerun resumes from it
-    and finishes the run (a config with its own callbacks list keeps the requeue callback)."""
+    and finishes the run (the project's config.yaml lists its own callbacks, and the requeue callback stays)."""
     job = cpu_runs["slurm-requeue"]
     assert job.codes == [0, 0], job.first[0][-3000:] + job.second[0][-3000:]
     assert job.scontrol == f"requeue {SLURM_JOB_ID}\n"
