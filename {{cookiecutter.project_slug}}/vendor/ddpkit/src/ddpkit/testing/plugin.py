@@ -95,14 +95,13 @@ def steps(global_batch) -> dict:
     reason = unused_skip(global_batch)
     if reason:
         pytest.skip(reason)
-    if global_batch.get("dataset_draws"):
-        # Each rank and run would read other samples at the same index: the first run would stop at its data check
-        # and every comparison would then skip on "different datasets". The cause instead, in every test that
-        # needs runs, and none started.
-        pytest.fail(global_batch["dataset_draws"], pytrace=False)
-    if global_batch.get("batch_draws"):
-        # Each rank would mix its share of the batch by its own draws: every comparison would fail on its numbers.
-        pytest.fail(global_batch["batch_draws"], pytrace=False)
+    # With draws of the dataset's own, each rank and run would read other samples at the same index (the first run
+    # would stop at its data check and every comparison then skip on "different datasets"); with draws per batch,
+    # each rank would mix its share by its own draws (every comparison would fail on its numbers). The cause
+    # instead, in every test that needs runs, and none started.
+    for cause in ("dataset_draws", "batch_draws"):
+        if global_batch.get(cause):
+            pytest.fail(global_batch[cause], pytrace=False)
     return plan(global_batch)
 
 
