@@ -83,14 +83,18 @@ class Drawing(Dataset):
         return torch.tensor([i, torch.rand(()).item(), random.random(), np.random.rand(), own])
 
 
+def loader(dataset: Dataset, world: int = 1, rank: int = 0, epoch: int = 1, collate_fn=None) -> ResumableLoader:
+    """Rank `rank`'s loader of `dataset` in global batches of 4, the draws seeded (seed 3), at `epoch`."""
+    sampler = GlobalBatchSampler(dataset, 4, num_replicas=world, rank=rank, seed=3, with_epoch=True)
+    sampler.set_epoch(epoch)
+    return ResumableLoader(SeededSamples(dataset, 3), batch_size=4 // world, sampler=sampler, collate_fn=collate_fn)
+
+
 def samples(world: int, rank: int, resume: int | None = None) -> list[torch.Tensor]:
-    sampler = GlobalBatchSampler(Drawing(), 4, num_replicas=world, rank=rank, seed=3, with_epoch=True)
-    loader = ResumableLoader(SeededSamples(Drawing(), 3), batch_size=4 // world, sampler=sampler)
+    drawn = loader(Drawing(), world, rank)
     if resume is not None:
-        loader.load_state_dict({"epoch": 1, "global_batches_done": resume})
-    else:
-        sampler.set_epoch(1)
-    return [row for batch in loader for row in batch]
+        drawn.load_state_dict({"epoch": 1, "global_batches_done": resume})
+    return [row for batch in drawn for row in batch]
 
 
 def test_a_mid_epoch_resume_draws_what_the_uninterrupted_epoch_drew():
@@ -164,13 +168,6 @@ class Images(Dataset):
 
     def __getitem__(self, i: int):
         return torch.full((1, 8, 8), float(i % 3)) + 1e-3 * torch.rand(()), i % 3
-
-
-def loader(dataset: Dataset, world: int = 1, rank: int = 0, epoch: int = 1, collate_fn=None) -> ResumableLoader:
-    sampler = GlobalBatchSampler(dataset, 4, num_replicas=world, rank=rank, seed=3, with_epoch=True)
-    sampler.set_epoch(epoch)
-    kwargs = {"collate_fn": collate_fn} if collate_fn else {}
-    return ResumableLoader(SeededSamples(dataset, 3), batch_size=4 // world, sampler=sampler, **kwargs)
 
 
 def mix_in_collate(draw):
