@@ -1173,6 +1173,53 @@ def test_sharded_check_says_why_a_batchnorm_model_differs(tmp_path, monkeypatch)
     check(configured, runs)
 
 
+def fsdp_copy_error() -> str:
+    """What torch raises on copy.deepcopy of a module sharded with fully_shard, in a 1-process gloo group here."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ddpkit.lightning_internals import fully_shard_function
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(2, 2)
+        fully_shard_function()(module, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(AssertionError) as raised:
+            copy.deepcopy(module)
+        return str(raised.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_check_says_why_a_run_that_copies_the_module_fails(monkeypatch):
+    """A sharded run that failed on torch's refusal to copy a sharded module (Lightning's EMAWeightAveraging copies
+    the module it averages) fails the check with the sentence that says why and what to change; a run that failed on
+    anything else fails with its own error."""
+    from ddpkit.model.sharding import shards_on_cpu
+    from ddpkit.testing import check_sharded
+
+    if not shards_on_cpu():
+        pytest.skip("FSDP2 runs on CPU processes from torch 2.6")
+
+    class Runs(dict):
+        def __getitem__(self, name):
+            raise AssertionError(f"run two exited 1: error: rank 1 failed: {self.error}\n(log: two.log)")
+
+    configured = {"model": "net.Net", "shards_layers": True, "global_batch_data": True}
+    check = check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
+    runs = Runs()
+    runs.error = f"AssertionError: {fsdp_copy_error()}"
+    with pytest.raises(pytest.fail.Exception) as failed:
+        check(configured, runs)
+    assert str(failed.value).startswith("net.Net's sharded run copies the sharded module (copy.deepcopy, as Lightning")
+    assert str(failed.value).endswith(f"(run two exited 1: error: rank 1 failed: {runs.error})")
+    runs.error = "RuntimeError: out of memory"
+    with pytest.raises(AssertionError, match="out of memory"):
+        check(configured, runs)
+
+
 def test_a_module_shards_where_its_configure_model_names_a_way_to_shard():
     """The sharded check runs for a module whose configure_model (or a method of the module it calls) shards, and not
     for one that builds its layers there (Lightning's advice for large models) or compiles them, nor without one."""

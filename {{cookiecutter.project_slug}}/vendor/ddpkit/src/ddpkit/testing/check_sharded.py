@@ -21,6 +21,17 @@ BATCHNORM_SHARDED = (
     "use GroupNorm or LayerNorm; to train with DDP only, take the sharding (shard_layers, the device mesh) out of "
     "configure_model and this check skips."
 )
+# What torch raises when a sharded module is copied (FSDP2's modules refuse copy.deepcopy), and why a run would copy it:
+# Lightning's EMAWeightAveraging and StochasticWeightAveraging (and timm's ModelEma) copy the module they average, and
+# Lightning's docs say sharded models do not work with weight averaging. A digits bake with EMAWeightAveraging in its
+# config.yaml failed here on rank 1's copy (2026-12-07).
+NO_DEEPCOPY = "FSDP does not support deepcopy"
+COPIES_SHARDED = (
+    "{model}'s sharded run copies the sharded module (copy.deepcopy, as Lightning's EMAWeightAveraging and "
+    "StochasticWeightAveraging do to average weights), which FSDP refuses: weight averaging and sharding do not go "
+    "together. To keep the averaging, train with DDP only: take the sharding (shard_layers, the device mesh) out of "
+    "configure_model and this check skips."
+)
 
 
 @reads("sharded", "1dev-fp32")
@@ -32,7 +43,13 @@ def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_r
     if not shards_on_cpu():
         pytest.skip(f"FSDP2 runs on CPU processes from torch 2.6 (this is {torch.__version__}; on GPUs from 2.4)")
     comparable(configured)
-    sharded = cpu_runs["sharded"]
+    try:
+        sharded = cpu_runs["sharded"]
+    except AssertionError as error:
+        if NO_DEEPCOPY not in str(error):
+            raise
+        why = f"{COPIES_SHARDED.format(model=configured['model'])} ({str(error).splitlines()[0]})"
+        raise pytest.fail.Exception(why, pytrace=False) from None  # the sentence alone, not the run's error again
     assert sharded["files"] == ["__0_0.distcp", "__1_0.distcp"]  # one per rank
     steps = 2 * configured["steps_per_epoch"] * configured["steps_per_batch"]
     # Without fully_shard in configure_model the ranks' gradients are not synced and this fails. Bound: float32
