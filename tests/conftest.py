@@ -58,9 +58,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # The suite's processes at once over every session here (ddpkit/testing/slots.py), inherited by every job's processes:
 # with 4 runs (ddpkit < 0.10 counted runs, not processes), one family session held all 4 slots while the other
 # sessions' runs waited, beside jobs that take none (the README's chains, pip); unlimited, test_model_families' first
-# waves alone started 40 processes (load 48, runs timing out). Both on 2026-12-06, docs/measurements.md. 8 runs, as
-# since, are 8 to 16 processes; 12.
-os.environ.setdefault("DDPKIT_SUITE_RUNS", "12")
+# waves alone started 40 processes (load 48, runs timing out). Both on 2026-12-06, docs/measurements.md. 6: the same
+# work costs more CPU the more processes share the cores (8 two-process toy fits: 43-44 CPU-s 8 at once, 37-38 2 at
+# once), and with 6 (and 3 job slots, early.py) against 12 (and 4) a CI run sampled 1979 CPU-s against 2105, pytest
+# 1136 s against 1189, the cores still never idle from minute 4 to 17 (2026-12-07, docs/measurements.md).
+os.environ.setdefault("DDPKIT_SUITE_RUNS", "6")
 
 
 def pytest_configure(config):

@@ -19,7 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-SLOTS = 4
+# 3: with 4 (and DDPKIT_SUITE_RUNS 12, tests/conftest.py) the load stayed at 9-15 on 2 cores, where the same work costs
+# more CPU; 3 kept the cores busy and cut a CI run's CPU by 6% (2026-12-07, docs/measurements.md). Not 2: the
+# README's commands and the oldest releases, first in ORDER, would hold both slots for 500 s while the first library
+# tests wait for the short jobs they read.
+SLOTS = 3
 # In this order when slots are short: first the README's commands (4 chains of commands, the longest job) and the
 # oldest releases (queued behind the short jobs, its end was the jobs' last, CI of 2026-12-06; it joins the queue once
 # its preparation, the download of torch 2.4.0's CUDA wheels, 2.74 GB, has ended: 500 s and more on CI's fresh
