@@ -1194,8 +1194,8 @@ def fsdp_copy_error() -> str:
 
 
 def test_sharded_check_says_why_a_run_that_copies_the_module_fails(monkeypatch):
-    """A sharded run that failed on torch's refusal to copy a sharded module (Lightning's EMAWeightAveraging copies
-    the module it averages) fails the check with the sentence that says why and what to change; a run that failed on
+    """A sharded run that failed on torch's refusal to copy a sharded module (timm's ModelEma in a module copies the
+    module it averages) fails the check with the sentence that says why and what to change; a run that failed on
     anything else fails with its own error."""
     from ddpkit.model.sharding import shards_on_cpu
     from ddpkit.testing import check_sharded
@@ -1213,11 +1213,78 @@ def test_sharded_check_says_why_a_run_that_copies_the_module_fails(monkeypatch):
     runs.error = f"AssertionError: {fsdp_copy_error() if shards_on_cpu() else check_sharded.NO_DEEPCOPY}"
     with pytest.raises(pytest.fail.Exception) as failed:
         check(configured, runs)
-    assert str(failed.value).startswith("net.Net's sharded run copies the sharded module (copy.deepcopy, as Lightning")
-    assert str(failed.value).endswith(f"(run two exited 1: error: rank 1 failed: {runs.error})")
+    said = f"net.Net's sharded run copies the module to average its weights (run two exited 1: error: rank 1 failed: "
+    assert str(failed.value).startswith(f"{said}{runs.error}), which a sharded module does not allow")
     runs.error = "RuntimeError: out of memory"
     with pytest.raises(AssertionError, match="out of memory"):
         check(configured, runs)
+
+
+def test_the_callbacks_that_average_weights_are_named():
+    """configured.averaging_callbacks names Lightning's weight-averaging callbacks (subclasses too) and no other."""
+    from lightning.pytorch import callbacks
+
+    from ddpkit.testing.configured import averaging_callbacks
+
+    class MySWA(callbacks.StochasticWeightAveraging):
+        pass
+
+    given = [callbacks.ModelCheckpoint(), callbacks.StochasticWeightAveraging(swa_lrs=0.01), MySWA(swa_lrs=0.1)]
+    named = ["StochasticWeightAveraging", "MySWA"]
+    if hasattr(callbacks, "EMAWeightAveraging"):  # Lightning 2.6 on; the oldest set has SWA only
+        given.append(callbacks.EMAWeightAveraging())
+        named.append("EMAWeightAveraging")
+    assert averaging_callbacks([callbacks.LearningRateMonitor(), *given]) == named
+
+
+def test_sharded_check_names_a_weight_averaging_callback_without_starting_the_run(monkeypatch):
+    """A config with a weight-averaging callback fails the sharded check with the sentence naming it, before the
+    sharded run starts (it would fail on the copy)."""
+    from ddpkit.testing import check_sharded
+
+    monkeypatch.setattr(check_sharded, "shards_on_cpu", lambda: True)  # its skip before torch 2.6 (the oldest set)
+
+    class NoRuns(dict):
+        def __getitem__(self, name):
+            raise AssertionError(f"started {name}")
+
+    configured = {"model": "net.Net", "shards_layers": True, "global_batch_data": True}
+    check = check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
+    with pytest.raises(pytest.fail.Exception, match=r"\(StochasticWeightAveraging in the config's callbacks\), wh"):
+        check({**configured, "averaging": ["StochasticWeightAveraging"]}, NoRuns())
+    with pytest.raises(AssertionError, match="started sharded"):
+        check({**configured, "averaging": []}, NoRuns())
+
+
+def test_a_resume_under_swa_that_differs_names_swa(monkeypatch):
+    """A resumed run over the bound fails with the SWA sentence where the config has StochasticWeightAveraging, with
+    the numbers alone where it has not; the learning-rate check accepts SWA's flat schedule only under SWA."""
+    from types import SimpleNamespace
+
+    from ddpkit.testing import check_parity
+
+    def over(one, two, bound):
+        raise AssertionError("resume-2to1 vs 1dev-fp64, bound 1e-12:\n    w: max_rel 0.09 (OVER bound)")
+
+    monkeypatch.setattr(check_parity, "fp64_bound", lambda runs, steps: 1e-12)
+    monkeypatch.setattr(check_parity, "assert_weights_close", over)
+    runs = {"1dev-fp64": None, "resume-2to1": None}
+    with pytest.raises(pytest.fail.Exception) as failed:
+        check_parity.assert_resumed_close(runs, {"averaging": ["StochasticWeightAveraging"]}, "resume-2to1")
+    assert str(failed.value).startswith("resume-2to1 resumed mid-epoch under Lightning's StochasticWeightAveraging")
+    assert str(failed.value).endswith("(resume-2to1 vs 1dev-fp64, bound 1e-12:)")
+    for averaging in ([], ["EMAWeightAveraging"]):
+        with pytest.raises(AssertionError, match="OVER bound"):
+            check_parity.assert_resumed_close(runs, {"averaging": averaging}, "resume-2to1")
+
+    monkeypatch.setattr(check_parity, "assert_weights_close", lambda one, two, bound: None)
+    monkeypatch.setattr(check_parity, "read_csv_scalars", lambda version: {"lr-AdamW": {0: 1e-4, 1: 3e-4, 2: 3e-4}})
+    lr_runs = {"1dev-lr-fp64": SimpleNamespace(version=None), "2dev-lr-fp64": SimpleNamespace(version=None)}
+    check = check_parity.test_lr_schedule_is_the_same_on_1_and_2_devices
+    steps = {"takes_scheduler": True, "averaging": ["StochasticWeightAveraging"]}
+    check(lr_runs, steps)  # warmup, then SWA's constant rate
+    with pytest.raises(AssertionError):
+        check(lr_runs, {**steps, "averaging": []})  # a warmup + cosine schedule that does not fall
 
 
 def test_a_module_shards_where_its_configure_model_names_a_way_to_shard():

@@ -123,6 +123,30 @@ def test_mid_epoch_checkpoint_records_loader_position(cpu_runs, steps):
     assert position == [{"epoch": 0, "global_batches_done": k}]
 
 
+# Why a project with Lightning's StochasticWeightAveraging resumes to other weights: the callback sets up its SWALR
+# schedule in on_train_epoch_start, which Lightning does not call again for the epoch a checkpoint resumes into, and
+# it drops the restored scheduler at fit start, so the resumed epoch trains with no schedule and the next starts it
+# again from its saved state: the digits example (swa_lrs 0.01, resumed at step 12 of 16) kept lr 0.003 through
+# epoch 1 where the uninterrupted run had 0.00317, and ended 0.0196 apart (2026-12-07, docs/measurements.md).
+SWA_RESUME = (
+    "{run} resumed mid-epoch under Lightning's StochasticWeightAveraging, which sets up its SWALR schedule only at an "
+    "epoch's start (Lightning does not start the resumed epoch again), so the resumed run's learning rate runs an "
+    "epoch behind and it trains other weights than the uninterrupted run: resume such a run only from epoch-end "
+    "checkpoints, or average with EMAWeightAveraging (Lightning's WeightAveraging), which resumes the same."
+)
+
+
+def assert_resumed_close(cpu_runs: Waves, steps: dict, name: str) -> None:
+    """The resumed run `name` ends with 1 device's uninterrupted weights (float64 bound); under SWA, the sentence."""
+    try:
+        assert_weights_close(cpu_runs["1dev-fp64"], cpu_runs[name], fp64_bound(cpu_runs, steps))
+    except AssertionError as error:
+        if "StochasticWeightAveraging" not in steps.get("averaging", ()):
+            raise
+        first = str(error).splitlines()[0]
+        raise pytest.fail.Exception(f"{SWA_RESUME.format(run=name)} ({first})", pytrace=False) from None
+
+
 @pytest.mark.parametrize(("run", "start"), [("resume-2to1", "two_to_one"), ("resume-1to2", "one_to_two")])
 @reads("{run}", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, steps, run, start):
@@ -133,7 +157,7 @@ def test_mid_epoch_resume_on_other_device_count_matches_uninterrupted(cpu_runs, 
     stepped = [global_step(steps, b) for b in range(steps[start] + 1, total + 1)]
     assert [r["step"] for r in resumed.probe()["train"]] == stepped
     comparable(steps)
-    assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
+    assert_resumed_close(cpu_runs, steps, run)
 
 
 @reads("resume-2to1", "1dev-fp64", "2dev-fp64", "{bound}", MID_CHECKPOINT)
@@ -146,7 +170,7 @@ def test_checkpoint_written_on_gpus_resumes_on_cpu(cpu_runs, steps):
     resumed = cpu_runs["resume-2to1"]
     assert resumed.global_step() == global_step(steps, 2 * steps["steps_per_epoch"])
     comparable(steps)
-    assert_weights_close(cpu_runs["1dev-fp64"], resumed, fp64_bound(cpu_runs, steps))
+    assert_resumed_close(cpu_runs, steps, "resume-2to1")
 
 
 @pytest.mark.parametrize("run", ["1dev-acc4-fp64", "2dev-acc2-fp64"])
@@ -187,7 +211,8 @@ def test_torchrun_matches_lightning_launcher_and_1_device(cpu_runs, steps):
 @reads("1dev-lr-fp64", "2dev-lr-fp64", "1dev-fp64", "2dev-fp64", "{bound}")
 def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
     """A warmup + cosine schedule steps per optimizer step: 1 and 2 devices log the same learning rate at every
-    step (it rises through the warmup, then falls) and end with the same weights (float64 bound)."""
+    step (it rises through the warmup, then falls, unless StochasticWeightAveraging swaps in its own schedule) and
+    end with the same weights (float64 bound)."""
     if not steps["takes_scheduler"]:
         pytest.skip("the configured model takes no scheduler argument")
     comparable(steps)
@@ -197,7 +222,10 @@ def test_lr_schedule_is_the_same_on_1_and_2_devices(cpu_runs, steps):
     for values in lr[0].values():
         curve = [values[s] for s in sorted(values)]
         top = curve.index(max(curve))
-        assert 0 < top < len(curve) - 1 and curve[0] < curve[top] and curve[-1] < curve[top]
+        # SWA replaces the module's scheduler with SWALR from its start epoch on (the digits example: a warmup, then
+        # flat), as its docs say; the 1-vs-2 device check above holds either way.
+        swapped = "StochasticWeightAveraging" in steps.get("averaging", ())
+        assert swapped or (0 < top < len(curve) - 1 and curve[0] < curve[top] and curve[-1] < curve[top])
     assert_weights_close(one, two, fp64_bound(cpu_runs, steps))
 
 

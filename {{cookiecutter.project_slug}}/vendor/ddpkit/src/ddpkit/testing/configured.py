@@ -65,6 +65,9 @@ def _measure(args: list[str]) -> dict:
         ],
         # Micro-batches change BatchNorm's statistics: no accumulation runs, no rounding reference from them.
         "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
+        # Callbacks that average weights copy the module (a sharded one refuses) and SWA swaps the schedule
+        # (check_sharded, check_parity).
+        "averaging": averaging_callbacks(cli.trainer.callbacks),
     }
     if info["global_batch_data"]:
         data.prepare_data()  # as Lightning calls it before setup: a module may write its data there (shards)
@@ -93,6 +96,15 @@ def _measure(args: list[str]) -> dict:
         if not info["batch_draws"]:  # with draws per batch the step's probes would blame the step or the loss
             info |= probe_training_step(model, data, cli.config["model"], unused_ok, strategy_config)
     return info
+
+
+def averaging_callbacks(callbacks: list) -> list[str]:
+    """The class names of the callbacks that average the module's weights: Lightning's StochasticWeightAveraging and
+    WeightAveraging (EMAWeightAveraging's base, from Lightning 2.6), subclasses too."""
+    from lightning.pytorch import callbacks as lightning_callbacks
+
+    kinds = tuple(getattr(lightning_callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
+    return [type(c).__name__ for c in callbacks if isinstance(c, tuple(k for k in kinds if k is not None))]
 
 
 # What a configure_model that shards names: ddpkit's shard_layers, torch's fully_shard or parallelize_module (tensor

@@ -102,6 +102,7 @@ def plan(configured: dict) -> dict:
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
+        "averaging": configured.get("averaging", []),
         # The one-step check's points: global batches 1, n and n + 1 (0 is each run's own initialization), and the
         # global batches its runs train in each of their 2 epochs: 0 and 1 (0 alone with a 1-batch epoch).
         "step_points": sorted({1, n, n + 1}),
