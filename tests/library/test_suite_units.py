@@ -1148,23 +1148,43 @@ def test_a_tied_weight_of_a_one_step_state_is_saved_once_in_float32():
     assert saved.getbuffer().nbytes < 1.5 * embedding.float().nbytes
 
 
-def test_sharded_check_says_why_a_batchnorm_model_differs(tmp_path, monkeypatch):
+# A module that shards its layers, and global-batch data: what the sharded check asks of the configured model.
+SHARDS = {"model": "net.Net", "shards_layers": True, "global_batch_data": True}
+
+
+@pytest.fixture
+def sharded_check(monkeypatch):
+    """The suite's sharded check, past its skip before torch 2.6 (the oldest set)."""
+    from ddpkit.testing import check_sharded
+
+    monkeypatch.setattr(check_sharded, "shards_on_cpu", lambda: True)
+    return check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
+
+
+class FailingRuns(dict):
+    """`cpu_runs` where asking for any run fails with `error` (`{name}`: the run asked for), as a failed run does."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+    def __getitem__(self, name):
+        raise AssertionError(self.error.replace("{name}", name))
+
+
+def test_sharded_check_says_why_a_batchnorm_model_differs(tmp_path, sharded_check):
     """Sharded weights over the bound fail, for a model with BatchNorm, with the sentence that says why (each rank's
     own statistics under ModelParallelStrategy) and what to change; without BatchNorm, on the number; within the
     bound, a BatchNorm model passes."""
     from types import SimpleNamespace
 
-    from ddpkit.testing import check_sharded
-
-    monkeypatch.setattr(check_sharded, "shards_on_cpu", lambda: True)  # its skip before torch 2.6 (the oldest set)
     last = tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt"
     last.parent.mkdir(parents=True)
     torch.save({"global_step": 4, "state_dict": {"bn.weight": torch.ones(3)}}, last)
-    configured = {"model": "net.Net", "shards_layers": True, "global_batch_data": True, "batchnorm": True}
-    configured |= {"steps_per_epoch": 2, "steps_per_batch": 1}
+    configured = {**SHARDS, "batchnorm": True, "steps_per_epoch": 2, "steps_per_batch": 1}
     sharded = {"files": ["__0_0.distcp", "__1_0.distcp"], "weights": {"bn.weight": torch.full((3,), 1.5)}}
     runs = {"1dev-fp32": SimpleNamespace(root=tmp_path), "sharded": sharded}
-    check = check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
+    check = sharded_check
     with pytest.raises(pytest.fail.Exception, match="net.Net has BatchNorm layers: sharded under ModelParallel"):
         check(configured, runs)
     with pytest.raises(AssertionError, match="max_abs=0.5"):
@@ -1193,31 +1213,22 @@ def fsdp_copy_error() -> str:
         dist.destroy_process_group()
 
 
-def test_sharded_check_says_why_a_run_that_copies_the_module_fails(monkeypatch):
+def test_sharded_check_says_why_a_run_that_copies_the_module_fails(sharded_check):
     """A sharded run that failed on torch's refusal to copy a sharded module (timm's ModelEma in a module copies the
     module it averages) fails the check with the sentence that says why and what to change; a run that failed on
     anything else fails with its own error."""
     from ddpkit.model.sharding import shards_on_cpu
     from ddpkit.testing import check_sharded
 
-    monkeypatch.setattr(check_sharded, "shards_on_cpu", lambda: True)  # its skip before torch 2.6 (the oldest set)
-
-    class Runs(dict):
-        def __getitem__(self, name):
-            raise AssertionError(f"run two exited 1: error: rank 1 failed: {self.error}\n(log: two.log)")
-
-    configured = {"model": "net.Net", "shards_layers": True, "global_batch_data": True}
-    check = check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
-    runs = Runs()
+    failed_run = "run two exited 1: error: rank 1 failed: {error}\n(log: two.log)"
     # torch's own words where it shards on CPU; before 2.6 (the oldest set) the sentence the check looks for
-    runs.error = f"AssertionError: {fsdp_copy_error() if shards_on_cpu() else check_sharded.NO_DEEPCOPY}"
+    error = f"AssertionError: {fsdp_copy_error() if shards_on_cpu() else check_sharded.NO_DEEPCOPY}"
     with pytest.raises(pytest.fail.Exception) as failed:
-        check(configured, runs)
-    said = f"net.Net's sharded run copies the module to average its weights (run two exited 1: error: rank 1 failed: "
-    assert str(failed.value).startswith(f"{said}{runs.error}), which a sharded module does not allow")
-    runs.error = "RuntimeError: out of memory"
+        sharded_check(SHARDS, FailingRuns(failed_run.format(error=error)))
+    said = "net.Net's sharded run copies the module to average its weights (run two exited 1: error: rank 1 failed: "
+    assert str(failed.value).startswith(f"{said}{error}), which a sharded module does not allow")
     with pytest.raises(AssertionError, match="out of memory"):
-        check(configured, runs)
+        sharded_check(SHARDS, FailingRuns(failed_run.format(error="RuntimeError: out of memory")))
 
 
 def test_the_callbacks_that_average_weights_are_named():
@@ -1237,23 +1248,13 @@ def test_the_callbacks_that_average_weights_are_named():
     assert averaging_callbacks([callbacks.LearningRateMonitor(), *given]) == named
 
 
-def test_sharded_check_names_a_weight_averaging_callback_without_starting_the_run(monkeypatch):
+def test_sharded_check_names_a_weight_averaging_callback_without_starting_the_run(sharded_check):
     """A config with a weight-averaging callback fails the sharded check with the sentence naming it, before the
     sharded run starts (it would fail on the copy)."""
-    from ddpkit.testing import check_sharded
-
-    monkeypatch.setattr(check_sharded, "shards_on_cpu", lambda: True)  # its skip before torch 2.6 (the oldest set)
-
-    class NoRuns(dict):
-        def __getitem__(self, name):
-            raise AssertionError(f"started {name}")
-
-    configured = {"model": "net.Net", "shards_layers": True, "global_batch_data": True}
-    check = check_sharded.test_sharded_on_two_then_resumed_on_one_device_matches_ddp
     with pytest.raises(pytest.fail.Exception, match=r"\(StochasticWeightAveraging in the config's callbacks\), wh"):
-        check({**configured, "averaging": ["StochasticWeightAveraging"]}, NoRuns())
+        sharded_check({**SHARDS, "averaging": ["StochasticWeightAveraging"]}, FailingRuns("started {name}"))
     with pytest.raises(AssertionError, match="started sharded"):
-        check({**configured, "averaging": []}, NoRuns())
+        sharded_check({**SHARDS, "averaging": []}, FailingRuns("started {name}"))
 
 
 def test_a_resume_under_swa_that_differs_names_swa(monkeypatch):
