@@ -59,7 +59,7 @@ trainer:
         save_top_k: 1
         save_last: true
         filename: "best-epoch{{epoch:02d}}-step{{step}}"
-        auto_insert_metric_name: false
+        auto_insert_metric_name: false{callbacks}
 model:
   class_path: {model}
   init_args: {init}
@@ -77,6 +77,15 @@ FAMILIES = {
     "resnet18-groupnorm": ("families.ResNet18", {"norm": "group", "width": 16}, "families.ImageData", False, 42),
     "gpt2": ("families.GPT2", {}, "families.ByteData", False, 0),
     "small-cnn": ("families.SmallBatchNormCNN", {}, "families.ImageData", True, 42),
+}
+# Callbacks of a family's config besides the checkpoints: the small CNN accumulates 2 batches a step from epoch 1 on
+# (Lightning's GradientAccumulationScheduler, a common recipe), so its session runs every check on a schedule of
+# steps that changes between the epochs (runs.plan). Its BatchNorm rules out the suite's own accumulation runs anyway.
+CALLBACKS = {
+    "small-cnn": """
+    - class_path: lightning.pytorch.callbacks.GradientAccumulationScheduler
+      init_args:
+        scheduling: {1: 2}""",
 }
 # A module with a head used only in validation (data_families.py): its parameters get no gradient in training, so
 # its session fails one test (the setting named) and skips the rest before any run.
@@ -98,7 +107,10 @@ def make_project(root: Path, family: str) -> Path:
     (root / "tests").mkdir()
     (root / "main.py").write_text(MAIN)
     sync_line = "\n  sync_batchnorm: true" if sync else ""
-    config = CONFIG.format(seed=seed, sync=sync_line, model=model, init=json.dumps(init), data=data)
+    init_args = json.dumps(init)
+    config = CONFIG.format(
+        seed=seed, sync=sync_line, model=model, init=init_args, data=data, callbacks=CALLBACKS.get(family, "")
+    )
     (root / "config.yaml").write_text(config)
     (root / "pyproject.toml").write_text(PYPROJECT)
     for module in ("families.py", "data_families.py"):
@@ -232,6 +244,14 @@ def test_batchnorm_bounds_come_from_reversed_batches_and_leave_out_the_biases_be
     assert all(bound.no_gradient[f"net.{i}.bias"].all() for i in (0, 4))
     verdicts = {v.diff.name: v for v in one_vs_two(runs, bound)}
     assert verdicts["net.0.bias"].rounding.startswith("no gradient") and not verdicts["net.0.bias"].over
+
+
+def test_a_gradient_accumulation_schedule_sets_the_runs_steps(family_sessions):
+    """The small CNN's GradientAccumulationScheduler (CALLBACKS) reached its runs: epoch 0's 4 global batches took 4
+    optimizer steps and epoch 1's took 2, on 1 and on 2 devices, as the plan the green session judged them by says."""
+    runs, steps = kept_runs(family_sessions["small-cnn"][2])
+    assert steps["accumulation"] == [1, 2] and steps["steps_per_epoch"] == 4 and steps["micro_batch_size"] is None
+    assert runs["1dev-fp64"].global_step() == runs["2dev-fp64"].global_step() == 4 + 2
 
 
 def test_a_parameter_without_a_gradient_fails_one_test_naming_the_setting_and_skips_the_rest(family_sessions):

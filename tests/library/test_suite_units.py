@@ -1231,21 +1231,50 @@ def test_sharded_check_says_why_a_run_that_copies_the_module_fails(sharded_check
         sharded_check(SHARDS, FailingRuns(failed_run.format(error="RuntimeError: out of memory")))
 
 
-def test_the_callbacks_that_average_weights_are_named():
-    """configured.averaging_callbacks names Lightning's weight-averaging callbacks (subclasses too) and no other."""
+def test_the_callbacks_that_change_the_checks_are_named():
+    """configured.callback_facts names Lightning's weight-averaging callbacks (subclasses too) and no other, says
+    whether one is SWA (a subclass too), and gives a GradientAccumulationScheduler's factor in the runs' 2 epochs."""
     from lightning.pytorch import callbacks
 
-    from ddpkit.testing.configured import averaging_callbacks
+    from ddpkit.testing.configured import callback_facts
 
     class MySWA(callbacks.StochasticWeightAveraging):
         pass
 
     given = [callbacks.ModelCheckpoint(), callbacks.StochasticWeightAveraging(swa_lrs=0.01), MySWA(swa_lrs=0.1)]
     named = ["StochasticWeightAveraging", "MySWA"]
+    ema = []
     if hasattr(callbacks, "EMAWeightAveraging"):  # Lightning 2.6 on; the oldest set has SWA only
         given.append(callbacks.EMAWeightAveraging())
         named.append("EMAWeightAveraging")
-    assert averaging_callbacks([callbacks.LearningRateMonitor(), *given]) == named
+        ema = [callbacks.EMAWeightAveraging()]
+    facts = callback_facts([callbacks.LearningRateMonitor(), *given])
+    assert facts == {"averaging": named, "swa": True, "accumulation": []}
+    assert callback_facts([MySWA(swa_lrs=0.1)])["swa"] and not callback_facts(ema)["swa"]
+    scheduled = callback_facts([callbacks.GradientAccumulationScheduler({1: 2, 3: 4})])
+    assert scheduled == {"averaging": [], "swa": False, "accumulation": [1, 2]}
+    assert callback_facts([callbacks.GradientAccumulationScheduler({0: 3})])["accumulation"] == [3, 3]
+
+
+def test_the_runs_steps_follow_a_gradient_accumulation_schedule():
+    """With a GradientAccumulationScheduler (1 batch a step in epoch 0, 2 in epoch 1) the plan counts Lightning's
+    optimizer steps: one after each pair of batches and one after an epoch's last, its resume and one-step points fall
+    where a step ends, and the suite's own accumulation runs are off (Lightning refuses both)."""
+    from ddpkit.testing.runs import global_step, plan, total_steps
+
+    configured = {"steps_per_epoch": 8, "global_batch_size": 64, "takes_micro_batch_size": True}
+    plain = plan(configured)
+    assert [global_step(plain, b) for b in (1, 8, 9, 16)] == [1, 8, 9, 16] and total_steps(plain) == 16
+    assert (plain["two_to_one"], plain["one_to_two"], plain["step_points"]) == (6, 9, [1, 8, 9])
+    assert (plain["micro_batch_size"], plain["epoch_steps"], plain["step_batches"]) == (16, 8, 2)
+    scheduled = plan({**configured, "accumulation": [1, 2]})
+    assert [global_step(scheduled, b) for b in (1, 8, 9, 10, 11, 16)] == [1, 8, 8, 9, 9, 12]
+    assert total_steps(scheduled) == 12 and total_steps({**configured, "accumulation": [1, 2]}) == 12
+    assert (scheduled["two_to_one"], scheduled["one_to_two"], scheduled["step_points"]) == (6, 10, [1, 8, 10])
+    assert (scheduled["micro_batch_size"], scheduled["epoch_steps"], scheduled["step_batches"]) == (None, 8, 2)
+    odd = plan({**configured, "steps_per_epoch": 5, "accumulation": [2, 2], "steps_per_batch": 2})
+    assert [global_step(odd, b) for b in (1, 2, 5, 7, 10)] == [0, 2, 6, 8, 12]  # a step after epoch 0's 5th batch
+    assert (odd["two_to_one"], odd["one_to_two"], odd["step_points"], odd["epoch_steps"]) == (2, 7, [2, 5, 7], 3)
 
 
 def test_sharded_check_names_a_weight_averaging_callback_without_starting_the_run(sharded_check):
@@ -1271,21 +1300,21 @@ def test_a_resume_under_swa_that_differs_names_swa(monkeypatch):
     monkeypatch.setattr(check_parity, "assert_weights_close", over)
     runs = {"1dev-fp64": None, "resume-2to1": None}
     with pytest.raises(pytest.fail.Exception) as failed:
-        check_parity.assert_resumed_close(runs, {"averaging": ["StochasticWeightAveraging"]}, "resume-2to1")
+        check_parity.assert_resumed_close(runs, {"swa": True}, "resume-2to1")
     assert str(failed.value).startswith("resume-2to1 resumed mid-epoch under Lightning's StochasticWeightAveraging")
     assert str(failed.value).endswith("(resume-2to1 vs 1dev-fp64, bound 1e-12:)")
-    for averaging in ([], ["EMAWeightAveraging"]):
+    for steps in ({}, {"averaging": ["EMAWeightAveraging"], "swa": False}):
         with pytest.raises(AssertionError, match="OVER bound"):
-            check_parity.assert_resumed_close(runs, {"averaging": averaging}, "resume-2to1")
+            check_parity.assert_resumed_close(runs, steps, "resume-2to1")
 
     monkeypatch.setattr(check_parity, "assert_weights_close", lambda one, two, bound: None)
     monkeypatch.setattr(check_parity, "read_csv_scalars", lambda version: {"lr-AdamW": {0: 1e-4, 1: 3e-4, 2: 3e-4}})
     lr_runs = {"1dev-lr-fp64": SimpleNamespace(version=None), "2dev-lr-fp64": SimpleNamespace(version=None)}
     check = check_parity.test_lr_schedule_is_the_same_on_1_and_2_devices
-    steps = {"takes_scheduler": True, "averaging": ["StochasticWeightAveraging"]}
+    steps = {"takes_scheduler": True, "swa": True}
     check(lr_runs, steps)  # warmup, then SWA's constant rate
     with pytest.raises(AssertionError):
-        check(lr_runs, {**steps, "averaging": []})  # a warmup + cosine schedule that does not fall
+        check(lr_runs, {**steps, "swa": False})  # a warmup + cosine schedule that does not fall
 
 
 def test_a_module_shards_where_its_configure_model_names_a_way_to_shard():

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import __version__
@@ -29,6 +29,18 @@ class RecordVersion(Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint[VERSION_KEY] = __version__
+
+
+class ResumedAccumulation(Callback):
+    """A run resumed mid-epoch accumulates as the uninterrupted run did under Lightning's
+    GradientAccumulationScheduler. The scheduler sets each epoch's accumulation in on_train_epoch_start, which Lightning
+    does not call for the epoch a checkpoint resumes into: without this, that epoch steps the optimizer after every
+    batch (docs/measurements.md, "Gradient accumulation schedules"). Each batch, so that no callback order matters."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):
+                trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(trainer.current_epoch)
 
 
 class CurrentModelCheckpoint(ModelCheckpoint):

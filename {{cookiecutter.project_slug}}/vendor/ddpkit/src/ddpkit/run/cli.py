@@ -37,7 +37,7 @@ from ..model.matmul import float32_matmul_precision
 from ..presets import hint as preset_hint
 from ..scaling.doctor import ScalingDoctor
 from ..tune.run import TRIAL_CHANNEL, TRIAL_CHECK, TRIAL_METRIC, TRIAL_WORKER
-from .checkpoints import AtomicCheckpointIO, RecordVersion
+from .checkpoints import AtomicCheckpointIO, RecordVersion, ResumedAccumulation
 from .checks import (
     BadInput,
     IterableDataCheck,
@@ -249,7 +249,8 @@ class CLI(SubcommandCLI):
         # A trial of `python -m ddpkit.tune`: the metric to its worker, the worker's pruning decision to every rank.
         tuning = self.subcommand == "fit" and TRIAL_CHANNEL in os.environ
         trial = [TrialReport(os.environ[TRIAL_METRIC], os.environ[TRIAL_CHANNEL])] if tuning else []
-        added = [stop, *requeue, *writer, *lr, *trackers, *trial, RecordVersion(), ResumeLoaderPosition(), HangDump()]
+        resumes = [RecordVersion(), ResumeLoaderPosition(), ResumedAccumulation()]
+        added = [stop, *requeue, *writer, *lr, *trackers, *trial, *resumes, HangDump()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             built = super().instantiate_trainer(**kwargs)

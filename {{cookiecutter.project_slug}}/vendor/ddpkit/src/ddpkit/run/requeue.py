@@ -44,11 +44,13 @@ class SlurmRequeue(L.Callback):
         self.check_every_n_steps = check_every_n_steps
         self.requested = False
         self.active = False
+        self.step = 0  # global_step at the last batch's end
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Replaces the handler Lightning registered just before this hook; Lightning restores the
         # original handlers when fit ends.
         self.active = isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
+        self.step = trainer.global_step
         if self.active:
             signal.signal(self.signum, self._note_signal)
 
@@ -56,7 +58,10 @@ class SlurmRequeue(L.Callback):
         self.requested = True  # nothing else here: the handler may run in the middle of a collective
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if not self.active or trainer.global_step % self.check_every_n_steps:
+        # Only where an optimizer step ended: a checkpoint saved between the micro-batches of a step (gradient
+        # accumulation) holds no gradients, and the resumed job would step on the step's remaining batches alone.
+        stepped, self.step = trainer.global_step != self.step, trainer.global_step
+        if not self.active or not stepped or trainer.global_step % self.check_every_n_steps:
             return
         # Any rank that got the signal stops all of them, at this same step.
         if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):

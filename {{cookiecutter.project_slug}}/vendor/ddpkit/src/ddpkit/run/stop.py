@@ -61,11 +61,14 @@ class GracefulStop(Callback):
         self.signum = 0
         self._previous: dict[int, Any] = {}
         self._batches = 0  # training batches ended in this fit: the same count on every rank
+        self._step = 0  # global_step at the last batch's end
+        self._agreed = 0  # the signal the ranks agreed on, kept until an optimizer step ends
         self._pending: tuple | None = None  # the all-reduce started one batch ago, and its copy's CUDA event
         self._flag: torch.Tensor | None = None  # the number the ranks all-reduce, on this rank's device
         self._host: torch.Tensor | None = None  # its host copy (pinned memory on GPUs)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step
         if trainer.received_sigterm:  # Lightning's handler (active until now) got one during set-up
             self.signum = signal.SIGTERM
         # Replaces Lightning's SIGTERM handler, which forwards the signal and broadcasts inside the handler.
@@ -107,11 +110,15 @@ class GracefulStop(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._batches += 1
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
         if trainer.world_size == 1 or not torch.distributed.is_initialized():
             signum = self.signum
         else:
             signum = self._agreed_signal(pl_module.device, start=self._batches % self.check_every_n_steps == 0)
-        if not signum:
+        signum = self._agreed = self._agreed or signum
+        # Only where an optimizer step ended: a checkpoint saved between the micro-batches of a step (gradient
+        # accumulation) holds no gradients, and the resumed run would step on the step's remaining batches alone.
+        if not signum or not stepped:
             return
         mark_stopping()
         path = str(Path(checkpoint_dir(trainer)) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt")

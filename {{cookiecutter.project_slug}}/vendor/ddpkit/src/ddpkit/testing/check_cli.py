@@ -13,7 +13,7 @@ import yaml
 from ..parity import read_csv_scalars, read_scalars
 from ..scaling.record import DoctorRecord
 from .bounds import assert_weights_close, fp64_bound
-from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint, comparable, global_step, reads
+from .runs import PROJECT_CONFIG, STAGE_SETS, best_checkpoint, comparable, global_step, reads, total_steps
 
 
 def defined(configured: dict, *commands: str) -> list[str]:
@@ -86,7 +86,7 @@ def test_learning_rate_is_logged_at_every_step_the_logger_writes(cpu_runs, globa
     """The CLI adds a LearningRateMonitor to fit: an lr-<optimizer> tag at each of the logger's steps (every
     step: the shared runs log every step)."""
     logged = {t: v for t, v in read_csv_scalars(cpu_runs["1dev-fp64"].version).items() if t.startswith("lr-")}
-    steps = set(range(2 * global_batch["steps_per_epoch"]))
+    steps = set(range(total_steps(global_batch)))
     assert logged and all(values.keys() == steps for values in logged.values())
 
 

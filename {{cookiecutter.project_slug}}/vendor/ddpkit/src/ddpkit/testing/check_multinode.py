@@ -12,7 +12,7 @@ import torch
 from ..parity import ROUNDING_FACTOR, max_abs
 from .bounds import Bound, assert_within, fp64_bound, no_gradient, run_to_run
 from .fake_cluster import SLURM_JOB_ID, last_weights
-from .runs import comparable, reads
+from .runs import comparable, global_step, reads, total_steps
 
 
 def probes(text: str) -> list[str]:
@@ -24,11 +24,6 @@ def reference(cpu_runs, global_batch, devices: int = 1) -> dict[str, torch.Tenso
     runs)."""
     comparable(global_batch)
     return last_weights(cpu_runs[f"{devices}dev-fp64"].root, total_steps(global_batch))
-
-
-def total_steps(global_batch) -> int:
-    """Lightning's global_step after the 2 epochs (optimizer steps: several a batch for some modules)."""
-    return 2 * global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]
 
 
 def assert_same_weights(weights: dict[str, torch.Tensor], cpu_runs, global_batch, steps, name: str) -> None:
@@ -83,11 +78,11 @@ def test_requeue_signal_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(
     assert job.scontrol == f"requeue {SLURM_JOB_ID}\n"
     hpc = job.root / "hpc_ckpt_1.ckpt"
     saved_step = torch.load(hpc, weights_only=True)["global_step"]
-    steps = global_batch["steps_per_epoch"] * global_batch["steps_per_batch"]
-    assert steps < saved_step < 2 * steps and f"saved {hpc} at step {saved_step}" in job.first[0]
+    epoch_0 = global_step(global_batch, global_batch["steps_per_epoch"])
+    assert epoch_0 < saved_step < total_steps(global_batch) and f"saved {hpc} at step {saved_step}" in job.first[0]
     assert f"Restoring states from the checkpoint path at {hpc}" in job.second[0]
     for rank, out in enumerate(job.second):
         assert probes(out) == [
             f"RANK_PROBE global={rank} local=0 node={rank} world=2 env=SLURMEnvironment step={saved_step}"
         ]
-        assert f"RANK_PROBE_END global={rank} step={2 * steps}" in out  # 2 epochs
+        assert f"RANK_PROBE_END global={rank} step={total_steps(global_batch)}" in out  # 2 epochs

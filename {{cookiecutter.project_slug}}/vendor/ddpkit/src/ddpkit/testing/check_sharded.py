@@ -6,7 +6,7 @@ import torch
 from ..model.sharding import shards_on_cpu
 from ..parity import weight_diffs
 from .fake_cluster import last_weights
-from .runs import comparable, reads
+from .runs import comparable, reads, total_steps
 
 # max |a - b| / max |a| of the worst tensor: ModelParallelStrategy has no float64, so this is float32's 1-vs-2
 # device bound. Measured (digits, 2026-12-02): 1.95e-6, the same as 2-device DDP's float32 run against 1 device
@@ -54,7 +54,7 @@ def test_sharded_on_two_then_resumed_on_one_device_matches_ddp(configured, cpu_r
         why = COPIES_SHARDED.format(model=configured["model"], how=str(error).splitlines()[0])
         raise pytest.fail.Exception(why, pytrace=False) from None  # the sentence alone, not the run's error again
     assert sharded["files"] == ["__0_0.distcp", "__1_0.distcp"]  # one per rank
-    steps = 2 * configured["steps_per_epoch"] * configured["steps_per_batch"]
+    steps = total_steps(configured)
     # Without fully_shard in configure_model the ranks' gradients are not synced and this fails. Bound: float32
     # rounding of 2 ways to sum the gradients (SHARDED_BOUND).
     worst = weight_diffs(sharded["weights"], last_weights(cpu_runs["1dev-fp32"].root, steps))[0]

@@ -113,7 +113,7 @@ def one_step(steps: dict, devices: int, precision: str, states: Path, *extra: st
         *("--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0"),
         *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
         *("--doctor.enabled", "false", FLOAT64_THROUGHOUT, "--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep"),
-        *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['steps_per_epoch']}"),
+        *(f"--trainer.callbacks.states={states}", f"--trainer.callbacks.steps_per_epoch={steps['epoch_steps']}"),
         f"--trainer.callbacks.steps_per_batch={steps['steps_per_batch']}",
         f"--trainer.callbacks.batches={steps['step_batches']}",
         *extra,

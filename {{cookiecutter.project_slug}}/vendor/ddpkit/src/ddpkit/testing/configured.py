@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..data.draws import batch_draws, own_draws
@@ -65,9 +66,7 @@ def _measure(args: list[str]) -> dict:
         ],
         # Micro-batches change BatchNorm's statistics: no accumulation runs, no rounding reference from them.
         "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
-        # Callbacks that average weights copy the module (a sharded one refuses) and SWA swaps the schedule
-        # (check_sharded, check_parity).
-        "averaging": averaging_callbacks(cli.trainer.callbacks),
+        **callback_facts(cli.trainer.callbacks),
     }
     if info["global_batch_data"]:
         data.prepare_data()  # as Lightning calls it before setup: a module may write its data there (shards)
@@ -98,13 +97,22 @@ def _measure(args: list[str]) -> dict:
     return info
 
 
-def averaging_callbacks(callbacks: list) -> list[str]:
-    """The class names of the callbacks that average the module's weights: Lightning's StochasticWeightAveraging and
-    WeightAveraging (EMAWeightAveraging's base, from Lightning 2.6), subclasses too."""
+def callback_facts(callbacks: list) -> dict:
+    """What the config's callbacks change for the checks. `averaging`: the class names of those that average the
+    module's weights, Lightning's StochasticWeightAveraging and WeightAveraging (EMAWeightAveraging's base, from
+    Lightning 2.6), subclasses too: they copy the module, which a sharded one refuses (check_sharded); `swa`: one of
+    them is SWA, which swaps the schedule (check_parity); `accumulation`: the batches a GradientAccumulationScheduler
+    accumulates per optimizer step in epoch 0 and 1 of the runs ([] without one): it sets the steps (runs.plan)."""
     from lightning.pytorch import callbacks as lightning_callbacks
 
     kinds = tuple(getattr(lightning_callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
-    return [type(c).__name__ for c in callbacks if isinstance(c, tuple(k for k in kinds if k is not None))]
+    averaging = [c for c in callbacks if isinstance(c, tuple(k for k in kinds if k is not None))]
+    schedules = [c for c in callbacks if isinstance(c, GradientAccumulationScheduler)]
+    return {
+        "averaging": [type(c).__name__ for c in averaging],
+        "swa": any(isinstance(c, StochasticWeightAveraging) for c in averaging),
+        "accumulation": [schedules[0].get_accumulate_grad_batches(epoch) for epoch in (0, 1)] if schedules else [],
+    }
 
 
 # What a configure_model that shards names: ddpkit's shard_layers, torch's fully_shard or parallelize_module (tensor

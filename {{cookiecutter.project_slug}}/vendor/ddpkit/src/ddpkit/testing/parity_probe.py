@@ -1,9 +1,7 @@
 """A test-only callback that records, on every rank, what the rank trained on and what it logged.
 
-The suite gives it to main.py as `--trainer.callbacks+=ddpkit.testing.parity_probe.Probe`.
-When a stage ends, each rank writes
-`<default_root_dir>/probe/<stage>-rank<r>.json` and, after fit and if asked, its final weights
-to `fit-rank<r>.pt`.
+The suite gives it to main.py as `--trainer.callbacks+=ddpkit.testing.parity_probe.Probe`. When a stage ends, each
+rank writes `<default_root_dir>/probe/<stage>-rank<r>.json` and, after fit and if asked, weights to `fit-rank<r>.pt`.
 """
 
 import hashlib
@@ -215,7 +213,7 @@ class OneStep(NoDropout):
 
     Args:
         states: The folder of the saved states (another run's probe/ folder).
-        steps_per_epoch: Global batches of an epoch in the runs (the position of global batch k).
+        steps_per_epoch: Optimizer steps of the runs' first epoch (the position of global batch k in the second).
         steps_per_batch: Optimizer steps per global batch (the saved states are named by optimizer step).
         batches: Global batches to train in each epoch.
         nudge: Each weight of a loaded state multiplied by 1 + nudge or 1 - nudge (a fixed pattern per global
@@ -226,20 +224,25 @@ class OneStep(NoDropout):
         self, states: str = "", steps_per_epoch: int = 1, steps_per_batch: int = 1, batches: int = 2, nudge: float = 0.0
     ) -> None:
         self.states, self.steps_per_epoch, self.steps_per_batch = Path(states), steps_per_epoch, steps_per_batch
-        self.batches, self.nudge = batches, nudge
+        self.batches, self.nudge, self.loaded = batches, nudge, 0  # loaded: the loader's batches an epoch
         self.record: dict[int, dict] = {}
         self.digests: dict[int, dict] = {}
         self.current: dict | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from lightning.pytorch.callbacks import Checkpoint
+        from lightning.pytorch.callbacks import Checkpoint, GradientAccumulationScheduler
 
-        # After the data module's setup, which sets the accumulation: the loader's batches are micro-batches.
-        trainer.limit_train_batches = self.batches * trainer.accumulate_grad_batches
+        # After the data module's setup, which sets the accumulation (micro-batches); a GradientAccumulationScheduler
+        # sets it at each epoch's start: its largest here, each epoch's own in on_train_batch_start.
+        most = [max(c.scheduling.values()) for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+        trainer.limit_train_batches = self.batches * max([trainer.accumulate_grad_batches, *most])
         # Nothing to save: the steps' records are the result (a new list: Lightning is iterating the old one).
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, Checkpoint)]
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch_idx == 0:  # the epoch's batches: `batches` optimizer steps of this epoch's accumulation
+            self.loaded = self.loaded or trainer.fit_loop.max_batches
+            trainer.fit_loop.max_batches = min(self.loaded, self.batches * trainer.accumulate_grad_batches)
         if batch_idx % trainer.accumulate_grad_batches:
             return  # a later micro-batch of the same step
         k = trainer.current_epoch * self.steps_per_epoch + batch_idx // trainer.accumulate_grad_batches

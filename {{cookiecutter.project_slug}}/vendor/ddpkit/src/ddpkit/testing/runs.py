@@ -72,22 +72,28 @@ class Run:
 
 
 def plan(configured: dict) -> dict:
-    """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1 global batch into epoch 1 (the
+    """Steps of the shared runs: resume 2 -> 1 from 3/4 into epoch 0, 1 -> 2 from 1 optimizer step into epoch 1 (the
     one-step check's state there, saved once; with fewer than 4 steps per epoch 2 -> 1 falls on epoch 0's end and
     with 1, 1 -> 2 on epoch 1's), counted in global batches; accumulate
     with micro-batches of a quarter of the global batch when the data module takes a micro_batch_size that
-    divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization) and
-    has no BatchNorm (micro-batches would change its statistics). `steps_per_batch`: optimizer steps per global
-    batch, which Lightning's global_step counts (several for a module that steps several optimizers itself);
-    `random_step`, `batch_mean`: why numbers cannot match (configured.probe_training_step)."""
+    divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization), has no
+    BatchNorm (micro-batches would change its statistics) and no GradientAccumulationScheduler sets the accumulation
+    (Lightning refuses both). `accumulation`: global batches per optimizer step in epoch 0 and 1 (the scheduler's).
+    `steps_per_batch`: optimizer steps per optimizer step of the data (several for a module that steps several
+    optimizers itself), which Lightning's global_step counts; `random_step`, `batch_mean`: why numbers cannot match
+    (configured.probe_training_step)."""
     n, batch = configured["steps_per_epoch"], configured["global_batch_size"]
     batchnorm = configured.get("batchnorm", False)
+    accumulation = configured.get("accumulation") or [1, 1]
     accumulates = configured["takes_micro_batch_size"] and not configured.get("manual_optimization")
-    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm else None
-    return {
+    own = accumulation != [1, 1]  # a GradientAccumulationScheduler accumulates
+    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm and not own else None
+    first, second = (min(a, n) for a in accumulation)  # global batches of the first optimizer step of each epoch
+    steps = {
         "steps_per_epoch": n,
-        "two_to_one": max(1, 3 * n // 4),
-        "one_to_two": n + 1,
+        "accumulation": accumulation,
+        "two_to_one": max(first, 3 * n // 4 // first * first),  # at the end of an optimizer step
+        "one_to_two": n + second,
         "micro_batch_size": micro,
         "takes_scheduler": configured.get("takes_scheduler", False),
         "shards": configured.get("shards_layers", False) and shards_on_cpu(),
@@ -103,11 +109,26 @@ def plan(configured: dict) -> dict:
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
         "averaging": configured.get("averaging", []),
-        # The one-step check's points: global batches 1, n and n + 1 (0 is each run's own initialization), and the
-        # global batches its runs train in each of their 2 epochs: 0 and 1 (0 alone with a 1-batch epoch).
-        "step_points": sorted({1, n, n + 1}),
-        "step_batches": min(2, n),
+        "swa": configured.get("swa", False),
+        # The one-step check's points, in global batches: after the first optimizer step, at epoch 0's end and after
+        # epoch 1's first step (0 is each run's own initialization).
+        "step_points": sorted({first, n, n + second}),
     }
+    # The optimizer steps the one-step check's runs train in each of their 2 epochs: 0 and 1 (0 alone where an
+    # epoch has a single step), and epoch 0's steps (where epoch 1's are numbered from).
+    steps["epoch_steps"] = optimizer_steps(steps, n)
+    steps["step_batches"] = min(2, steps["epoch_steps"], optimizer_steps(steps, 2 * n) - steps["epoch_steps"])
+    return steps
+
+
+def optimizer_steps(steps: dict, batches: int) -> int:
+    """Optimizer steps (of the data: see global_step) after `batches` global batches: Lightning steps after each
+    `accumulation` batches and after an epoch's last."""
+    n, done = steps["steps_per_epoch"], 0
+    for epoch, accumulate in enumerate(steps.get("accumulation") or [1, 1]):
+        trained = min(max(batches - epoch * n, 0), n)
+        done += trained // accumulate + (trained == n and n % accumulate > 0)
+    return done
 
 
 def reference_run(steps: dict, precision: str = "fp64") -> str:
@@ -117,7 +138,12 @@ def reference_run(steps: dict, precision: str = "fp64") -> str:
 
 def global_step(steps: dict, batches: int) -> int:
     """Lightning's global_step after `batches` global batches of training."""
-    return batches * steps["steps_per_batch"]
+    return optimizer_steps(steps, batches) * steps.get("steps_per_batch", 1)
+
+
+def total_steps(steps: dict) -> int:
+    """Lightning's global_step at the end of the runs' 2 epochs (the plan or the configured model's description)."""
+    return global_step(steps, 2 * steps["steps_per_epoch"])
 
 
 def comparable(steps: dict) -> None:
