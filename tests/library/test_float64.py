@@ -159,7 +159,7 @@ def test_a_fit_that_raises_leaves_no_mode_active(tmp_path):
 def test_every_float64_command_of_the_suite_carries_the_callback():
     """fit, the one-step runs, validate/test/predict and the cluster launchers' runs all add Float64Throughout: a run
     without it would round where its reference does not (mutation: dropping it from cluster_args fails here)."""
-    steps = {"steps_per_epoch": 4, "steps_per_batch": 1, "step_batches": 2}
+    steps = {"steps_per_epoch": 4, "steps_per_batch": 1, "step_batches": 2, "epoch_steps": 4}
     commands = {
         "fit": suite_commands.fit(steps, "cpu", 2, "64-true"),
         "one_step": suite_commands.one_step(steps, 1, "64-true", suite_commands.Path("states")),

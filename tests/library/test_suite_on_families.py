@@ -78,6 +78,10 @@ FAMILIES = {
     "gpt2": ("families.GPT2", {}, "families.ByteData", False, 0),
     "small-cnn": ("families.SmallBatchNormCNN", {}, "families.ImageData", True, 42),
 }
+# Trainer settings of a family's config: the ResNet validates twice an epoch (`val_check_interval: 0.5`, a common
+# recipe), so its checkpoints are written mid-epoch too. Before ddpkit 0.12.20 the files check expected them at
+# epoch ends alone and failed (the digits example, 2026-12-07, docs/measurements.md).
+TRAINER = {"resnet18-groupnorm": "\n  val_check_interval: 0.5"}
 # Callbacks of a family's config besides the checkpoints: the small CNN accumulates 2 batches a step from epoch 1 on
 # (Lightning's GradientAccumulationScheduler, a common recipe), so its session runs every check on a schedule of
 # steps that changes between the epochs (runs.plan). Its BatchNorm rules out the suite's own accumulation runs anyway.
@@ -106,7 +110,7 @@ def make_project(root: Path, family: str) -> Path:
     root.mkdir(parents=True)
     (root / "tests").mkdir()
     (root / "main.py").write_text(MAIN)
-    sync_line = "\n  sync_batchnorm: true" if sync else ""
+    sync_line = ("\n  sync_batchnorm: true" if sync else "") + TRAINER.get(family, "")
     init_args = json.dumps(init)
     config = CONFIG.format(
         seed=seed, sync=sync_line, model=model, init=init_args, data=data, callbacks=CALLBACKS.get(family, "")
@@ -252,6 +256,16 @@ def test_a_gradient_accumulation_schedule_sets_the_runs_steps(family_sessions):
     runs, steps = kept_runs(family_sessions["small-cnn"][2])
     assert steps["accumulation"] == [1, 2] and steps["steps_per_epoch"] == 4 and steps["micro_batch_size"] is None
     assert runs["1dev-fp64"].global_step() == runs["2dev-fp64"].global_step() == 4 + 2
+
+
+def test_validation_twice_an_epoch_writes_checkpoints_mid_epoch_and_passes(family_sessions):
+    """The ResNet's `val_check_interval: 0.5` (TRAINER) reached its runs: the suite's every-validation checkpoints
+    are written at global batch 2 and 4 of each 4-batch epoch, on 1 and on 2 devices, and its green session (the
+    files check among its tests) accepts them."""
+    runs, _ = kept_runs(family_sessions["resnet18-groupnorm"][2])
+    expected = ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
+    for name in ("1dev-fp64", "2dev-fp64"):
+        assert sorted(p.name for p in (runs[name].version / "checkpoints").glob("epoch=*")) == expected, name
 
 
 def test_a_parameter_without_a_gradient_fails_one_test_naming_the_setting_and_skips_the_rest(family_sessions):

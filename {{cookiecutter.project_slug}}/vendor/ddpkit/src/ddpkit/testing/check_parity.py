@@ -102,7 +102,8 @@ def test_2_devices_write_one_set_of_files(cpu_runs, steps):
     names = sorted(n.rsplit("/", 1)[1] for n in checkpoints if "best-" not in n)
     n = steps["steps_per_epoch"]
     epochs = [f"epoch={e}-step={global_step(steps, (e + 1) * n)}.ckpt" for e in (0, 1)]  # its default names
-    assert names == [*epochs, "last.ckpt"] and len(checkpoints) - len(names) <= 1  # and the best, if monitored
+    # Each epoch's end, and each validation's with `val_check_interval` under 1; and the best, if monitored.
+    assert "last.ckpt" in names and set(epochs) <= set(names) and len(checkpoints) - len(names) <= 1, names
     assert set(written) - set(checkpoints) == {
         f"lightning_logs/version_0/{n}"
         for n in ("config.yaml", "hparams.yaml", "events.out.tfevents", "metrics.csv", "doctor.json")  # doctor: rank 0

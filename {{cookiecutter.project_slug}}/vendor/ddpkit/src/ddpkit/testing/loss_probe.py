@@ -105,7 +105,8 @@ def batch_mean_line(model, data) -> str:
     worst = max(names, key=lambda n: ((halves[n] - ratio * whole[n]).norm() / whole[n].norm().clamp_min(1e-300)).item())
     return (
         f"{type(model).__name__}'s loss of a batch is not the mean of its samples' losses: it divides by a count the "
-        f"batch works out (tokens, a mask, class weights), so each rank and each micro-batch divides by its own "
+        f"batch works out (tokens, a mask, class weights) or is a ratio over the batch (a Dice), so each rank and each "
+        f"micro-batch divides by its own "
         f"(one float64 step on 1 device from the same weights: the global batch in 2 micro-batches gives a gradient "
         f"{apart:.2g} of the whole batch's apart in direction, most in {worst}), and N devices cannot train 1 "
         "device's weights: sum the loss and return `ddpkit.global_mean(loss_sum, count, self)` from training_step; "
