@@ -23,7 +23,7 @@ import torch
 from procs import TESTS, finish, start
 
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, step_verdicts
-from ddpkit.testing.parity_probe import NO_GRADIENT_FILE
+from ddpkit.testing.gradient_peaks import NO_GRADIENT_FILE
 
 SIZES = ["--data.global_batch_size", "32", "--data.train_size", "128"]
 N = 4  # global batches an epoch
@@ -47,7 +47,7 @@ def measure(model: str, data: str, seeds: list[int], extra: list[str]) -> Path:
         saving = ["--trainer.callbacks+=ddpkit.testing.parity_probe.Probe", "--trainer.callbacks.resumable=true",
                   f"--trainer.callbacks.save_at_steps=[1,{N},{N + 1}]",
                   f"--trainer.callbacks.weights_at=[1,{N},{N + 1}]",
-                  "--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks", *extra]  # fmt: skip
+                  "--trainer.callbacks+=ddpkit.testing.gradient_peaks.GradientPeaks", *extra]  # fmt: skip
         states = fit(base / f"{seed}-fp64", model, data, seed, 1, "64-true", saving) / "probe"
         replay = ["--trainer.callbacks+=ddpkit.testing.parity_probe.OneStep", f"--trainer.callbacks.states={states}",
                   f"--trainer.callbacks.steps_per_epoch={N}", "--trainer.limit_val_batches", "0", *extra]  # fmt: skip

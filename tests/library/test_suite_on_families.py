@@ -78,10 +78,15 @@ FAMILIES = {
     "gpt2": ("families.GPT2", {}, "families.ByteData", False, 0),
     "small-cnn": ("families.SmallBatchNormCNN", {}, "families.ImageData", True, 42),
 }
-# Trainer settings of a family's config: the ResNet validates twice an epoch (`val_check_interval: 0.5`, a common
-# recipe), so its checkpoints are written mid-epoch too. Before ddpkit 0.12.20 the files check expected them at
+# Trainer settings of a family's config, common recipes: the ResNet validates twice an epoch (`val_check_interval:
+# 0.5`), so its checkpoints are written mid-epoch too. Before ddpkit 0.12.20 the files check expected them at
 # epoch ends alone and failed (the digits example, 2026-12-07, docs/measurements.md).
-TRAINER = {"resnet18-groupnorm": "\n  val_check_interval: 0.5"}
+TRAINER = {
+    "resnet18-groupnorm": "\n  val_check_interval: 0.5",
+    # Builds its train loader again each epoch: the sample checks read the new one's samples (0.12.20; before, the
+    # probe's recorder stayed on the first loader and epoch 1 read as no samples).
+    "gpt2": "\n  reload_dataloaders_every_n_epochs: 1",
+}
 # Callbacks of a family's config besides the checkpoints: the small CNN accumulates 2 batches a step from epoch 1 on
 # (Lightning's GradientAccumulationScheduler, a common recipe), so its session runs every check on a schedule of
 # steps that changes between the epochs (runs.plan). Its BatchNorm rules out the suite's own accumulation runs anyway.

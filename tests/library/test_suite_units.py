@@ -21,8 +21,8 @@ from ddpkit.testing.bounds import BOUNDS, Bound, Noise, assert_within, fp64_boun
 from ddpkit.testing.check_onestep import ONE_STEP_FACTOR, StepVerdict, different_starts, over_twice, step_verdicts
 from ddpkit.testing import fake_cluster
 from ddpkit.testing.configured import switch_off
-from ddpkit.testing.parity_probe import NO_GRADIENT as NO_GRADIENT_OF_TOP
-from ddpkit.testing.parity_probe import NO_GRADIENT_FILE as MASKS
+from ddpkit.testing.gradient_peaks import NO_GRADIENT as NO_GRADIENT_OF_TOP
+from ddpkit.testing.gradient_peaks import NO_GRADIENT_FILE as MASKS
 from ddpkit.testing.parity_probe import digests, nudged
 from ddpkit.testing.footprint import Footprint, remove_checkpoints, stored_bytes
 from ddpkit.testing.runs import (
@@ -185,7 +185,7 @@ def test_elements_without_gradient_are_left_out_and_each_tensor_has_its_own_refe
     (tmp_path / "two" / "probe").mkdir(parents=True)
     peaks = {"qkv.bias": F64([0.5, 0.4, 1e-21, 2e-21, 0.3, 0.2]), "k.bias": F64([1e-22]), "w": F64([1.0, 1.0])}
     top = max(t.max().item() for t in peaks.values())
-    for run in ("one", "two"):  # what parity_probe.GradientPeaks writes of such peaks
+    for run in ("one", "two"):  # what gradient_peaks.GradientPeaks writes of such peaks
         torch.save({n: t <= NO_GRADIENT_OF_TOP * top for n, t in peaks.items()}, tmp_path / run / "probe" / MASKS)
 
     class Run:

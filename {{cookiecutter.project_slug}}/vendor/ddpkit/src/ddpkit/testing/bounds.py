@@ -23,7 +23,7 @@ from ..parity import (
     scalar_diffs,
     verdict_report,
 )
-from .parity_probe import NO_GRADIENT_FILE
+from .gradient_peaks import NO_GRADIENT_FILE
 from .runs import FP64_BOUND, Run, Waves, reference_run
 
 # Bounds on max |a - b| / max |a| per weight tensor and per logged tag, 1 device vs 2 devices after
@@ -95,7 +95,7 @@ def judge(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], bound: B
 
 def no_gradient(cpu_runs: Waves) -> dict[str, torch.Tensor]:
     """Per parameter, its elements that got no gradient (their peak |gradient| at most NO_GRADIENT of the model's
-    largest) in both the 1- and the 2-device float64 runs (parity_probe.GradientPeaks)."""
+    largest) in both the 1- and the 2-device float64 runs (gradient_peaks.GradientPeaks)."""
     masks = []
     for name in ("1dev-fp64", "2dev-fp64"):
         path = cpu_runs[name].root / "probe" / NO_GRADIENT_FILE

@@ -164,6 +164,7 @@ def test_global_batches_equal_1_device_and_reshuffle_each_epoch(cpu_runs, global
     one = cpu_runs["1dev-fp64"].probe()["batches"]
     two = [cpu_runs["2dev-fp64"].probe(rank=r)["batches"] for r in (0, 1)]
     for epoch in ("0", "1"):
+        assert all(one[epoch]), f"epoch {epoch}: a global batch of no samples the probe could name"
         joined = [Counter(a + b) for a, b in zip(two[0][epoch], two[1][epoch], strict=True)]
         assert joined == [Counter(batch) for batch in one[epoch]]
         assert len(joined) == global_batch["steps_per_epoch"]

@@ -51,7 +51,7 @@ def run_args(
     steps (complete at `resumed_at`; at the other `saves`, where a global batch is one optimizer step, the weights alone
     in float32: one-step states), the best is kept (with `best_by_name`, for its name alone: no tensors), an extra
     checkpoint per epoch is written for its name alone (the checks compare the files 1 and 2 devices write), and which
-    parameter elements got no gradient is recorded (parity_probe.GradientPeaks); with `on_gpu`, the state at
+    parameter elements got no gradient is recorded (gradient_peaks.GradientPeaks); with `on_gpu`, the state at
     `resumed_at` is written with its tensors tagged as on cuda:0, as on GPUs. With `consumes`, the checkpoint the run
     resumes from is deleted once restored, unless DDPKIT_KEEP_CHECKPOINTS is set. Each rank's fingerprints of its
     datasets, compared before training, only with `fingerprints`."""
@@ -80,7 +80,7 @@ def run_args(
         if steps["steps_per_batch"] == 1 and not steps["manual_optimization"]:
             light = ",".join(str(global_step(steps, k)) for k in sorted(set(saves) - {resumed_at}))
             args.append(f"--trainer.callbacks.weights_at=[{light}]")
-        args += ["--trainer.callbacks+=ddpkit.testing.parity_probe.GradientPeaks"]
+        args += ["--trainer.callbacks+=ddpkit.testing.gradient_peaks.GradientPeaks"]
         args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
         args += ["--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_weights_only=true"]
     return args

@@ -103,7 +103,8 @@ def serve(project: str) -> None:
     os.chdir(project)
     import main  # the project's main.py: torch, Lightning and ddpkit, imported once
 
-    import ddpkit.testing.parity_probe  # noqa: F401  the callbacks the suite adds to its runs
+    import ddpkit.testing.gradient_peaks  # noqa: F401  the callbacks the suite adds to its runs
+    import ddpkit.testing.parity_probe  # noqa: F401
     import ddpkit.testing.rank_probe  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel; status goes to .rc

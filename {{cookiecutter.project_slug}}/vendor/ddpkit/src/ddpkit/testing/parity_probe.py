@@ -147,8 +147,13 @@ class Probe(NoDropout):
         # Lightning has restored every state from ckpt_path by now, and reads the file no more.
         if self.consume and trainer.ckpt_path and trainer.is_global_zero:
             Path(trainer.ckpt_path).unlink(missing_ok=True)
-        self.samples = TrainSamples(trainer.train_dataloader)  # before the loop first iterates it
-        self.record["samples_read"] = self.samples.read
+        self.on_train_epoch_start(trainer, pl_module)  # Lightning does not start a resumed epoch again
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Before the loop iterates the loader: the fit's, or one built anew (reload_dataloaders_every_n_epochs).
+        if self.samples is None or self.samples.loader is not trainer.train_dataloader:
+            self.samples = TrainSamples(trainer.train_dataloader)
+            self.record["samples_read"] = self.samples.read
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         # The samples as the dataset gave them, before the collate function padded or stacked them.
@@ -326,35 +331,3 @@ def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
 def digests(state: dict[str, Tensor]) -> dict[str, str]:
     """Each tensor's bytes as a SHA-1: equal digests are the same bits."""
     return {name: hashlib.sha1(t.contiguous().numpy().tobytes()).hexdigest() for name, t in state.items()}
-
-
-class GradientPeaks(L.Callback):
-    """Records the largest |gradient| each parameter element saw over the run (after the all-reduce), the same on
-    every rank; rank 0 writes to probe/no-gradient.pt, per parameter, which of its elements got none: a peak at most
-    NO_GRADIENT of the model's largest (a mask of bools, an eighth of the float64 peaks' size). Those elements hold
-    only rounding (the key's bias in attention, a bias before BatchNorm: their gradient is zero but for rounding),
-    which an optimizer like AdamW turns into steps: the float64 checks leave them out (bounds.no_gradient)."""
-
-    def __init__(self) -> None:
-        self.peaks: dict[str, Tensor] = {}
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        for name, p in pl_module.named_parameters(remove_duplicate=False):
-            if p.grad is not None:
-                peak = p.grad.detach().abs()
-                self.peaks[name] = torch.maximum(self.peaks[name], peak) if name in self.peaks else peak.clone()
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if trainer.global_rank == 0 and self.peaks:
-            out = Path(trainer.default_root_dir) / "probe"
-            out.mkdir(parents=True, exist_ok=True)
-            top = max((t.max().item() for t in self.peaks.values() if t.numel()), default=0.0)
-            masks = {name: (t <= NO_GRADIENT * top).cpu() for name, t in self.peaks.items()}
-            torch.save(masks, out / NO_GRADIENT_FILE)
-
-
-# A gradient element whose largest |value| over the run is at most this fraction of the model's largest got no
-# gradient: rounding only. Float64, families.GPT2 (seed 0): the key biases' peaks 3e-21 to 4e-20 of the largest, the
-# smallest real ones (a query bias) 8e-6; 1e-12 is 1e6 from either (docs/measurements.md, "No gradient").
-NO_GRADIENT = 1e-12
-NO_GRADIENT_FILE = "no-gradient.pt"
