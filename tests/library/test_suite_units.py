@@ -1254,6 +1254,7 @@ def test_the_callbacks_that_change_the_checks_are_named():
     scheduled = callback_facts([callbacks.GradientAccumulationScheduler({1: 2, 3: 4})])
     assert scheduled == {"averaging": [], "swa": False, "accumulation": [1, 2]}
     assert callback_facts([callbacks.GradientAccumulationScheduler({0: 3})])["accumulation"] == [3, 3]
+    assert callback_facts([callbacks.GradientAccumulationScheduler({4: 2})])["accumulation"] == [1, 1]  # not []
 
 
 def test_the_runs_steps_follow_a_gradient_accumulation_schedule():
@@ -1272,6 +1273,8 @@ def test_the_runs_steps_follow_a_gradient_accumulation_schedule():
     assert total_steps(scheduled) == 12 and total_steps({**configured, "accumulation": [1, 2]}) == 12
     assert (scheduled["two_to_one"], scheduled["one_to_two"], scheduled["step_points"]) == (6, 10, [1, 8, 10])
     assert (scheduled["micro_batch_size"], scheduled["epoch_steps"], scheduled["step_batches"]) == (None, 8, 2)
+    later = plan({**configured, "accumulation": [1, 1]})  # {4: 2}: no accumulation yet, but the callback is there
+    assert later["micro_batch_size"] is None and [global_step(later, b) for b in (8, 9, 16)] == [8, 9, 16]
     odd = plan({**configured, "steps_per_epoch": 5, "accumulation": [2, 2], "steps_per_batch": 2})
     assert [global_step(odd, b) for b in (1, 2, 5, 7, 10)] == [0, 2, 6, 8, 12]  # a step after epoch 0's 5th batch
     assert (odd["two_to_one"], odd["one_to_two"], odd["step_points"], odd["epoch_steps"]) == (2, 7, [2, 5, 7], 3)

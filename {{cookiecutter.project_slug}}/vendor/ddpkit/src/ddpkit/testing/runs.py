@@ -78,17 +78,19 @@ def plan(configured: dict) -> dict:
     with micro-batches of a quarter of the global batch when the data module takes a micro_batch_size that
     divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization), has no
     BatchNorm (micro-batches would change its statistics) and no GradientAccumulationScheduler sets the accumulation
-    (Lightning refuses both). `accumulation`: global batches per optimizer step in epoch 0 and 1 (the scheduler's).
+    (Lightning refuses both). `accumulation`: global batches per optimizer step in epoch 0 and 1 (the scheduler's;
+    [] without one).
     `steps_per_batch`: optimizer steps per optimizer step of the data (several for a module that steps several
     optimizers itself), which Lightning's global_step counts; `random_step`, `batch_mean`: why numbers cannot match
     (configured.probe_training_step)."""
     n, batch = configured["steps_per_epoch"], configured["global_batch_size"]
     batchnorm = configured.get("batchnorm", False)
-    accumulation = configured.get("accumulation") or [1, 1]
+    # A GradientAccumulationScheduler's factors ([] without one). With one, Lightning refuses the suite's micro-batch
+    # runs whatever its factors in these 2 epochs ({4: 2} gives [1, 1] here).
+    accumulation = configured.get("accumulation", [])
     accumulates = configured["takes_micro_batch_size"] and not configured.get("manual_optimization")
-    own = accumulation != [1, 1]  # a GradientAccumulationScheduler accumulates
-    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm and not own else None
-    first, second = (min(a, n) for a in accumulation)  # global batches of the first optimizer step of each epoch
+    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm and not accumulation else None
+    first, second = (min(a, n) for a in accumulation or [1, 1])  # global batches of each epoch's first step
     steps = {
         "steps_per_epoch": n,
         "accumulation": accumulation,
