@@ -37,10 +37,15 @@ class ResumedAccumulation(Callback):
     does not call for the epoch a checkpoint resumes into: without this, that epoch steps the optimizer after every
     batch (docs/measurements.md, "Gradient accumulation schedules"). Each batch, so that no callback order matters."""
 
+    def __init__(self) -> None:
+        self.schedules: list[GradientAccumulationScheduler] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.schedules = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        for callback in trainer.callbacks:
-            if isinstance(callback, GradientAccumulationScheduler):
-                trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(trainer.current_epoch)
+        for schedule in self.schedules:  # none in most projects: nothing to do a batch
+            trainer.accumulate_grad_batches = schedule.get_accumulate_grad_batches(trainer.current_epoch)
 
 
 class CurrentModelCheckpoint(ModelCheckpoint):

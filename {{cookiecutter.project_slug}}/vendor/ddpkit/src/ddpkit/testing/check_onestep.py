@@ -51,7 +51,7 @@ import torch
 
 from .bounds import no_gradient
 from .parity_probe import digests
-from .runs import NUDGE, STEP_PRECISIONS, STEP_RECORDS, Run, Waves, comparable, reads, total_steps
+from .runs import NUDGE, STEP_PRECISIONS, STEP_RECORDS, Run, Waves, comparable, optimizer_steps, reads
 
 # 2 devices' difference over the step's own rounding, worst tensor of any point: gradients at most 2.12 x (GPT-2,
 # small BatchNorm CNN, ResNet-18, TinyBert; seeds 0-4, float32 and bf16), 5.13 x for a MobileNetV3-small's
@@ -207,7 +207,7 @@ def look(cpu_runs: Waves, steps: dict, precision: str, nudged: bool = False) -> 
     """The verdicts of the one-step runs in `precision` (step_verdicts), after checking that they took the expected
     global batches and that 1 and 2 devices started each from the same state, bit for bit."""
     one, two, exact = (records(run) for run in step_runs(cpu_runs, precision, nudged))
-    first, last = steps["epoch_steps"], total_steps(steps) // steps["steps_per_batch"]  # in optimizer steps
+    first, last = steps["epoch_steps"], optimizer_steps(steps, 2 * steps["steps_per_epoch"])
     expected = sorted({0, 1, first, first + 1} - {last})
     assert sorted(one) == sorted(two) == sorted(exact) == expected[: 2 * steps["step_batches"]]
     for k in one:  # the same state before each step, bit for bit: else the steps cannot be compared
