@@ -25,11 +25,18 @@ The checks:
 `run_readme` runs the install commands first, then the rest in four chains at once, each in the docs' order (a
 later command may use what an earlier one trained; a command documented twice runs once, where it first
 appears): `CHAINS` says which command runs in which, and why.
+
+How a command starts: one that is `python main.py ARGS` (variable assignments before it aside, no other shell syntax)
+is forked from a server that has imported main.py once in the docs' environment (ddpkit/testing/forkserver.py): the
+same code from `main.main()` on, with the variables set, its output and exit status, less the ~4 CPU-s of imports
+that every fresh interpreter pays (about 25 commands here). The README's `python main.py fit`, the wandb run
+(`FRESH`) and every other command start as the docs write them, under bash.
 """
 
 import re
 import shlex
 import socket
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bakes import TEMPLATE, run
+
+from ddpkit.testing.helpers import ForkServer, run_main
 
 FEW = " --trainer.max_steps 20"  # fewer steps: enough for a validation pass, a checkpoint and the doctor
 FEW_LM = " --trainer.max_steps 4"  # the language model's steps are ~0.4 s on this machine
@@ -375,7 +384,33 @@ def chain_of(command: str) -> int:
     return next((number for number, commands in CHAINS.items() if command in commands), 1)
 
 
-def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
+# Started as a user starts them, not forked: the README's main job, and the run whose logger finishes in an exit
+# hook (wandb prints its `wandb sync` line there), which a forked run skips: it ends with os._exit.
+FRESH = {"python main.py fit", "WANDB_MODE=offline python main.py fit --config configs/wandb.yaml" + FEW}
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=\S*$")
+
+
+def forked_args(command: str) -> tuple[dict, list[str]] | None:
+    """(variables, arguments) of a command that runs forked (module docstring), else None."""
+    if command in FRESH or re.search(r"[^\w\s.=/:,-]", command):  # quoting, globs, redirection, `&&`, `$`
+        return None
+    words, variables = command.split(), {}
+    while words and ASSIGNMENT.match(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        variables[name] = value
+    return (variables, words[2:]) if words[:2] == ["python", "main.py"] else None
+
+
+def execute(command: str, project: Path, timeout: float, env: dict, server: ForkServer) -> subprocess.CompletedProcess:
+    """Run `command` in the project: forked from `server` where `forked_args` allows, else under bash with `env`."""
+    found = forked_args(command)
+    if found is None:
+        return run(["bash", "-c", command], project, timeout, env)
+    variables, args = found
+    return run_main(*args, cwd=project, timeout=timeout, env=variables, server=server)
+
+
+def run_command(command: str, project: Path, env: dict, bin_dir: Path, server: ForkServer) -> dict:
     """Run one documented command of the baked project as its check says: {command: (what ran, exit status, output)}
     (and the `--print_config` run of a NeedsGPU command)."""
     check, env = GENERATED[command], dict(env)
@@ -390,13 +425,13 @@ def run_command(command: str, project: Path, env: dict, bin_dir: Path) -> dict:
         env |= {"SLURM_NNODES": str(check.nodes), "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "4242"}
         env["PATH"] = f"{bin_dir}:{env['PATH']}"
     start = time.monotonic()
-    result = run(["bash", "-c", ran], project, getattr(check, "timeout", 300), env)
+    result = execute(ran, project, getattr(check, "timeout", 300), env, server)
     # Shown with -s: the commands' run times. To the process's own stdout, not sys.stdout: this runs in a thread
     # beside other tests, and a test's capsys would catch the line as that test's output.
     print(f"{time.monotonic() - start:6.1f} s  $ {ran}", file=sys.__stdout__, flush=True)
     done = {command: (ran, result.returncode, result.stdout)}
     if isinstance(check, NeedsGPU):
-        parsed = run(["bash", "-c", f"{command} --print_config"], project, 120, env)
+        parsed = execute(f"{command} --print_config", project, 120, env, server)
         done[command + " --print_config"] = (command, parsed.returncode, parsed.stdout)
     return done
 
@@ -411,17 +446,22 @@ def run_readme(project: Path, env: dict, bin_dir: Path) -> dict:
         c for c in dict.fromkeys(c for c, _ in documented_commands(project)) if not isinstance(GENERATED[c], Elsewhere)
     ]
     installs = [c for c in commands if c.startswith("pip install")]
+    # Started at its first run, after the installs: it imports main.py with everything they installed.
+    server = ForkServer(python=str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), root=project, env=env)
     for command in installs:
-        results |= run_command(command, project, env, bin_dir)
+        results |= run_command(command, project, env, bin_dir, server)
 
     def chain(number: int) -> dict:
         done = {}
         for command in commands:
             if command not in installs and chain_of(command) == number:
-                done |= run_command(command, project, env, bin_dir)
+                done |= run_command(command, project, env, bin_dir, server)
         return done
 
-    with ThreadPoolExecutor(1 + len(CHAINS)) as pool:
-        for done in pool.map(chain, [1, *CHAINS]):
-            results |= done
+    try:
+        with ThreadPoolExecutor(1 + len(CHAINS)) as pool:
+            for done in pool.map(chain, [1, *CHAINS]):
+                results |= done
+    finally:
+        server.close()
     return results

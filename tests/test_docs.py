@@ -17,6 +17,7 @@ from doc_rules import PAGE_MENTION, dead_links, unsourced_figures
 from readme_commands import (
     ASIDE_CHAINS,
     CHAINS,
+    FRESH,
     GENERATED,
     ROOT,
     Elsewhere,
@@ -24,6 +25,7 @@ from readme_commands import (
     Run,
     doc_files,
     documented_commands,
+    forked_args,
     shell_commands,
 )
 
@@ -73,6 +75,26 @@ def test_each_command_runs_in_one_chain_and_chains_3_and_4_train_outside_the_pro
         check = GENERATED[command]
         if isinstance(check, Run) and ("main.py fit" in command or "torchrun.sh" in command):
             assert re.search(r" --trainer\.default_root_dir ASIDE/[\w-]+$", check.command), command  # last: it wins
+
+
+def test_plain_main_py_commands_fork_and_the_readmes_fit_and_shell_syntax_start_anew():
+    """A documented `python main.py ARGS`, variable assignments before it included, runs forked from the server that
+    imported main.py (readme_commands.forked_args); the README's `python main.py fit`, a chain of commands, quoting,
+    `$` and every other program start under bash as written."""
+    assert forked_args("python main.py fit --trainer.devices 2") == ({}, ["fit", "--trainer.devices", "2"])
+    assert forked_args("python main.py test     --ckpt_path best") == ({}, ["test", "--ckpt_path", "best"])
+    wandb = "WANDB_MODE=offline python main.py fit --config configs/wandb.yaml"
+    assert forked_args(wandb) == ({"WANDB_MODE": "offline"}, ["fit", "--config", "configs/wandb.yaml"])
+    for command in [
+        *FRESH,
+        "python main.py fit --trainer.max_steps 20 && python main.py test --ckpt_path best",
+        'pip install -e ".[dev]" -c constraints.txt',
+        "python -m ddpkit.parity runs/one runs/eight",
+        "NNODES=1 GPUS_PER_NODE=2 bash cluster/torchrun.sh",
+        "python main.py fit --config $CONFIG",
+        "python main.py fit > out.txt",
+    ]:
+        assert forked_args(command) is None, command
 
 
 @pytest.fixture(scope="module")

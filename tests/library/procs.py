@@ -1,15 +1,21 @@
-"""Real processes for the library's tests: the toy model through the project CLI (`python -m ddpkit.toy`), each
-run in its own session with a hard timeout, so a hung DDP job ends with all its ranks killed."""
+"""Real processes for the library's tests: the toy model through the project CLI (`python -m ddpkit.toy`, or forked
+from a server that imported it: `toy`), each run in its own session with a hard timeout, so a hung DDP job ends with
+all its ranks killed."""
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ddpkit.testing import fake_cuda
+from ddpkit.testing.helpers import ForkServer, run_main
 
 TESTS = Path(__file__).resolve().parent
 TOY = [sys.executable, "-m", "ddpkit.testing.toy"]  # a project's `python main.py`, on the library's own toy model
@@ -51,9 +57,45 @@ def run(cmd: list[str], cwd: Path, timeout: float = 180, env: dict | None = None
     return finish(start(cmd, cwd, env), timeout)
 
 
+# A run of the toy is forked from a server that imported the toy's CLI once (ddpkit/testing/forkserver.py, as the
+# suite's runs are): the same CLI from `main()` on, less the ~5 CPU-s of imports a fresh interpreter pays. A run given
+# a variable that acts when an interpreter starts (PYTHON*, OpenMP's, the fake GPUs' sitecustomize) starts as
+# `python -m ddpkit.testing.toy`; so do the tests' own `TOY` commands. Rank 1 of a 2-device run is Lightning's
+# launcher's fresh `python main.py`, as in a project.
+AT_START = ("PYTHON", "OMP_", "MKL_", "FAKE_CUDA")
+TOY_MAIN = """import ddpkit.run.cli  # noqa: F401  the CLI's imports, once in the server
+from ddpkit.testing.toy import main
+
+if __name__ == "__main__":
+    main()
+"""
+_toy_server: list[ForkServer] = []
+_toy_lock = threading.Lock()
+
+
+def toy_server() -> ForkServer:
+    """The fork server of the toy's main.py (one per session, started at its first run)."""
+    with _toy_lock:
+        if not _toy_server:
+            root = Path(tempfile.mkdtemp(prefix="toy-main-"))
+            (root / "main.py").write_text(TOY_MAIN)
+            _toy_server.append(ForkServer(root=root, env={**os.environ, **ON_PATH}))
+            atexit.register(shutil.rmtree, root, ignore_errors=True)
+        return _toy_server[0]
+
+
+def forks(env: dict | None) -> bool:
+    """Whether a toy run given the variables `env` is forked (none of them acts at an interpreter's start)."""
+    return not any(name.startswith(AT_START) and name != "PYTHONUNBUFFERED" for name in env or {})
+
+
 def toy(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m ddpkit.toy *args`: the project CLI on the toy model."""
-    return run([*TOY, *args], cwd, timeout, env)
+    """`python -m ddpkit.toy *args`: the project CLI on the toy model (forked where it can be, above)."""
+    if not forks(env):
+        return run([*TOY, *args], cwd, timeout, env)
+    # The whole environment as it is now: the server's is the one it started with.
+    env = {**os.environ, **ON_PATH, **(env or {})}
+    return run_main(*args, cwd=cwd, timeout=timeout, env=env, server=toy_server())
 
 
 def toy_ok(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> str:

@@ -3,7 +3,9 @@ what 1 process holding the whole batch computes with plain nn.BatchNorm, in trai
 
 import copy
 import json
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from torch.utils.data import Dataset, TensorDataset
 from ddpkit import GlobalBatchDataModule
 from ddpkit.model.batchnorm import GlobalBatchNorm, SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from ddpkit.parity import diff, load_weights, max_abs
-from ddpkit.testing.helpers import finish, start
+from ddpkit.testing.helpers import ForkServer, concurrently, finish, run_main, start
 
 HERE = Path(__file__).resolve().parent
 # float64: the worst max_rel measured over these cases x 3 seeds x 3 steps is 8.8e-15, and 6.2e-15 max_abs for the
@@ -281,28 +283,42 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
 """
-MAIN = "from pathlib import Path\nfrom ddpkit.run.cli import main\nmain(Path(__file__).with_name('config.yaml'))\n"
+MAIN = """from pathlib import Path
+from ddpkit.run.cli import main as run_cli
+
+
+def main(args=None, run=True):
+    return run_cli(Path(__file__).with_name("config.yaml"), args, run)
+
+
+if __name__ == "__main__":
+    main()
+"""
 
 
 @early.early("batchnorm_cli_runs")
 def _cli_runs(base: Path) -> tuple[Path, dict]:
     """The four CLI runs of the test below, at once: their folder and {run: result}. Started with the session
-    (early.py): they time nothing."""
+    (early.py): they time nothing. Forked from one process that imported main.py, every rank too (as torchrun starts
+    ranks: what is checked is the synchronisation, not the launcher), so that 7 processes skip ~5 CPU-s of imports."""
     (base / "config.yaml").write_text(CONFIG)
     (base / "main.py").write_text(MAIN)
-    env = {"PYTHONPATH": str(HERE)}
     runs = {
         "1": ["--trainer.devices", "1"],
         "2": ["--trainer.devices", "2", "--trainer.sync_batchnorm", "true"],
         "plugin": ["--trainer.devices", "2", "--trainer.plugins", "ddpkit.model.batchnorm.SyncBatchNormAnyDevice"],
         "unsynced": ["--trainer.devices", "2", "--trainer.max_steps", "1"],
     }
-    procs = {
-        name: start([sys.executable, "main.py", "fit", *args, "--trainer.default_root_dir", str(base / name)],
-                    base, env)
-        for name, args in runs.items()
-    }  # fmt: skip
-    return base, {name: finish(proc, timeout=300) for name, proc in procs.items()}
+    server = ForkServer(root=base, env={**os.environ, "PYTHONPATH": str(HERE)})
+
+    def fit(name: str) -> subprocess.CompletedProcess:
+        args = [*runs[name], "--trainer.default_root_dir", str(base / name)]
+        return run_main("fit", *args, cwd=base, timeout=300, ranks=int(runs[name][1]), server=server)
+
+    try:
+        return base, concurrently(fit, runs)
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="module")

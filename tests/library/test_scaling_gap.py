@@ -2,12 +2,15 @@
 model of sleepy.py on 1, 2, 4 and 8 CPU processes, each cause injected on its own; and the doctor's parts
 against the same work timed alone, on those runs and on a 2-rank run of the toy model (real compute)."""
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 from alone import TOLERANCE as ALONE
 from alone import allreduce_ms, waited_s
-from procs import ON_PATH, TOY, kill
+from procs import ON_PATH, TOY, toy_server
 from sleepy import SleepyData
 
 from ddpkit.scaling.gap import (
@@ -97,45 +100,64 @@ def pin_to_one_core() -> None:
 
 def run_cases(base: Path, cases: dict, timeout: float = 900) -> dict[str, DoctorRecord]:
     """Start every case at once (start-up overlaps), let them train one at a time (sleepy.TURNS); return
-    each case's doctor summary. A case that fails ends them all at once: the others would wait for its turn."""
+    each case's doctor summary. A case that fails ends them all at once: the others would wait for its turn.
+    A case is forked from the toy's fork server (procs.toy_server: 10 imports of torch and Lightning fewer in the
+    timing phase, where nothing else runs; what the doctor times does not depend on how a run began), except a
+    pinned one: its affinity is set before a fresh interpreter starts, and every rank inherits it."""
     turns = base / "turns"
     turns.mkdir()
     env = {**os.environ, **ON_PATH, "OMP_NUM_THREADS": "1", "SLEEPY_TURNS": f"{turns},{len(cases)}"}
-    procs, logs = {}, {}
+    codes, groups, logs = {}, {}, {}  # per case: its exit status (None while it runs), its process group, its output
+    popens = []  # the pinned cases', to reap
     try:
         for name, (devices, args, pinned) in cases.items():
             root = base / name
             root.mkdir()
-            cmd = [*TOY, *FIT, "--trainer.devices", str(devices), *(FORKED if devices > 1 else ())]
+            fit = [*FIT, "--trainer.devices", str(devices), *(FORKED if devices > 1 else ()), *args]
+            fit += ["--trainer.default_root_dir", str(root)]
             logs[name] = root / "output.txt"
-            with logs[name].open("w") as out:  # a file, not a pipe that nobody reads while the others run
-                cmd += [*args, "--trainer.default_root_dir", str(root)]
-                procs[name] = subprocess.Popen(
-                    cmd,
-                    cwd=root,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=pin_to_one_core if pinned else None,
-                )
+            if pinned:
+                with logs[name].open("w") as out:  # a file, not a pipe that nobody reads while the others run
+                    proc = subprocess.Popen(
+                        [*TOY, *fit],
+                        cwd=root,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=pin_to_one_core,
+                    )
+                codes[name], groups[name] = proc.poll, proc.pid
+                popens.append(proc)
+            else:
+                groups[name] = toy_server().fork(fit, root, env, logs[name], "main")
+                codes[name] = partial(forked_status, logs[name])
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-            if any(p.poll() for p in procs.values()):
+        while any(code() is None for code in codes.values()) and time.monotonic() < deadline:
+            if any(code() for code in codes.values()):
                 break
             time.sleep(1)
-        codes = {name: proc.poll() for name, proc in procs.items()}
-        failed = [n for n, c in codes.items() if c] or [n for n, c in codes.items() if c is None]  # failed first
+        ended = {name: code() for name, code in codes.items()}
+        failed = [n for n, c in ended.items() if c] or [n for n, c in ended.items() if c is None]  # failed first
         for name in failed[:1]:
-            outcome = "timed out" if codes[name] is None else f"exited {codes[name]}"
+            outcome = "timed out" if ended[name] is None else f"exited {ended[name]}"
             raise AssertionError(f"{name} {outcome}:\n{logs[name].read_text()[-4000:]}")
     finally:
-        for proc in procs.values():
-            kill(proc)
+        for group in groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        for proc in popens:
             proc.wait()
     return {
         name: DoctorRecord.from_dict(json.loads(next((base / name).rglob("doctor.json")).read_text())) for name in cases
     }
+
+
+def forked_status(log: Path) -> int | None:
+    """A forked run's exit status, which its waiter writes beside its output once it has ended; None until then."""
+    rc = Path(f"{log}.rc")
+    text = rc.read_text().strip() if rc.exists() else ""
+    return int(text) if text else None
 
 
 @pytest.fixture(scope="module")

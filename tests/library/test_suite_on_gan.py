@@ -74,10 +74,7 @@ def project(tmp_path_factory):
     before = helpers.project()
     helpers.set_project(root)
     yield root
-    if helpers.FORK_SERVER.server is not None:
-        helpers.kill(helpers.FORK_SERVER.server)
-        helpers.FORK_SERVER.server.wait()
-        helpers.FORK_SERVER.server = None
+    helpers.FORK_SERVER.close()
     helpers.set_project(before)
 
 

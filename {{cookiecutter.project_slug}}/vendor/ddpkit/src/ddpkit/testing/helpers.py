@@ -62,23 +62,26 @@ def kill(proc: subprocess.Popen) -> None:
 
 
 class ForkServer:
-    """The client of forkserver.py: runs of main.py forked from one process that has imported it."""
+    """The client of forkserver.py: runs of main.py forked from one process that has imported it. By default the
+    server is this interpreter's and serves `project()`; `python`, `root` and `env` give another environment's (the
+    template's tests run a baked project's documented commands in the project's own virtual environment)."""
 
-    def __init__(self) -> None:
+    def __init__(self, python: str | None = None, root: Path | None = None, env: dict | None = None) -> None:
         self.lock, self.server, self.root = threading.Lock(), None, None
+        self.python, self.fixed_root, self.env = python or sys.executable, root, env
 
     def fork(self, args: list[str], cwd: Path, env: dict, log: Path, entry: str, ranks: int = 1) -> int:
         """Start `python main.py *args` (forked; `ranks` > 1: every rank of a 1-node DDP run forked); return its pid,
         which is also its process group."""
+        root = self.fixed_root or project()
         with self.lock:
-            if self.server is not None and self.root != project():  # imported another project's main.py
-                kill(self.server)
-                self.server.wait()
-            if self.server is None or self.server.poll() is not None or self.root != project():
-                self.root = project()
-                server = [sys.executable, str(Path(__file__).with_name("forkserver.py")), str(self.root)]
+            if self.server is not None and self.root != root:  # imported another project's main.py
+                self.close()
+            if self.server is None or self.server.poll() is not None:
+                self.root = root
+                server = [self.python, str(Path(__file__).with_name("forkserver.py")), str(root)]
                 # One thread per process, as each run gets: torch reads it when the server imports it.
-                server_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                server_env = {**(self.env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
                 self.server = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                                env=server_env, start_new_session=True)  # fmt: skip
             request = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env, "log": str(log), "entry": entry}
@@ -88,6 +91,13 @@ class ForkServer:
             line = self.server.stdout.readline()
         assert line.strip().isdigit(), f"the fork server did not start the run: {line!r}"
         return int(line)
+
+    def close(self) -> None:
+        """End the server (a run it forked goes on to its end)."""
+        if self.server is not None:
+            kill(self.server)
+            self.server.wait()
+            self.server = None
 
 
 FORK_SERVER = ForkServer()
@@ -112,6 +122,7 @@ def run_main(
     log: Path | None = None,
     entry: str = "main",
     ranks: int = 1,
+    server: ForkServer = FORK_SERVER,
 ) -> subprocess.CompletedProcess:
     """Run `python main.py *args` (forked from a process that has imported main.py once, forkserver.py; with `ranks`
     > 1 every rank of a 1-node DDP run is forked, as torchrun would start them, instead of Lightning's launcher
@@ -128,7 +139,7 @@ def run_main(
     rc.unlink(missing_ok=True)
     env = {"PYTHONUNBUFFERED": "1", **(env or {})}
     try:
-        pid = FORK_SERVER.fork(list(args), cwd, env, log, entry, ranks)
+        pid = server.fork(list(args), cwd, env, log, entry, ranks)
         deadline = time.monotonic() + timeout
         while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
             if rc.exists() and deadline > time.monotonic() + RANKS_GRACE:

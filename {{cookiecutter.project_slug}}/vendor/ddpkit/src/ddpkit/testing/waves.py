@@ -81,9 +81,11 @@ OTHERS_WAVES = (
 TWO_PROCESSES = {"resume-1to2", "torchrun-fp64", "torchrun-nodes", "sharded", "slurm-requeue"}
 
 
-def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None) -> Waves:
+def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = None, launcher: bool = True) -> Waves:
     """Every CPU run the suite reads (see the module's docstring), under `base`, with the steps they follow in
-    steps.json (what the suite measured of the configured model and data); `gate`: see Waves."""
+    steps.json (what the suite measured of the configured model and data); `gate`: see Waves. `launcher` False:
+    2dev-fp64 too has both ranks forked, sharing the hash seed and random state a fresh rank 1 would not (the
+    library's tests of the checks, on models whose bug does not need a fresh process)."""
     (base / "steps.json").write_text(json.dumps(steps, indent=1))
 
     def run(name: str, cmd: list[str], root: Path | None = None, ranks: int = 1) -> Callable[[], Run]:
@@ -98,7 +100,8 @@ def shared_runs(base: Path, steps: dict, gate: Callable[[Waves], str] | None = N
     # state written as on GPUs); the 1-device run saves the one-step runs' states too.
     one = dict(resumed_at=steps["one_to_two"], saves=tuple(steps["step_points"]), fingerprints=True)
     two = dict(resumed_at=steps["two_to_one"], fingerprints=True, on_gpu=True, best_by_name=True)
-    first_two = {"2dev-fp64": run("2dev-fp64", main_cmd(*fit(steps, "cpu", 2, "64-true", csv, **two)))}
+    first_cmd = main_cmd(*fit(steps, "cpu", 2, "64-true", csv, **two))
+    first_two = {"2dev-fp64": run("2dev-fp64", first_cmd, ranks=1 if launcher else forked)}
     first = {"1dev-fp64": run("1dev-fp64", main_cmd(*fit(steps, "cpu", 1, "64-true", csv, **one)))}
     # Summation order alone, the rounding reference of the weights bounds: 4 micro-batches, else reversed batches.
     micro = ("--data.micro_batch_size", str(steps["micro_batch_size"]))
