@@ -17,10 +17,10 @@ test_model_families.py had PARITY_ARGS set, ran that module's ResNet: CI of 2026
 setting or removing a variable here fails (`_no_environment_changes_under_jobs`).
 
 The cores are busy from the jobs' start until the jobs end; then only the tests here run, one after another, each
-with a process or two: in a CI run of 2026-12-06 the last 230 s had the cores 10-84% idle. So the tests that read
-no job run first (those of a module that reads one too); then those marked `many_processes` (test_model_families.py:
-the first waves of 10 models at once), about when the jobs end, so that their runs fill the cores the jobs leave;
-then the tests that read a job (a test waiting for its job holds up every test after it).
+with a process or two: in a CI run of 2026-12-06 the last 230 s had the cores 10-84% idle. So the modules that read
+no job run first; then those marked `many_processes` (test_model_families.py: the first waves of 10 models at once),
+about when the jobs end, so that their runs fill the cores the jobs leave; then the modules that read a job (a test
+waiting for its job holds up every test after it).
 """
 
 import atexit
@@ -82,16 +82,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    # stable: timing tests first, then those that set variables, then the rest (with the jobs): the tests that read no
-    # job, then the `many_processes` ones, then those that read a job. Per test, not per module: a module that reads
-    # a job has tests that do not (test_tune.py 28 of 42), and at the end of a CI run of 2026-12-07 they ran one at a
-    # time after the jobs had ended, the cores 40-80% idle for 80 s. A module fixture that both kinds of tests use is set
-    # up again for the later ones: here only the autouse ones and test_docs.py's `project`, all free.
+    # stable: timing tests first, then those that set variables, then the rest (with the jobs): the modules that read no
+    # job, then the `many_processes` ones, then those that read a job (whole modules: a module fixture set up once)
     jobs = {*early.JOBS, *BACKGROUND}
+    readers = {item.path for item in items if jobs & set(getattr(item, "fixturenames", ()))}
 
     def key(item) -> tuple:
-        reads = bool(jobs & set(getattr(item, "fixturenames", ())))
-        late = 2 if reads else item.get_closest_marker("many_processes") is not None
+        late = 2 if item.path in readers else item.get_closest_marker("many_processes") is not None
         return (*(item.get_closest_marker(name) is None for name in early.BEFORE_JOBS), late)
 
     items.sort(key=key)
