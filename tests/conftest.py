@@ -2,13 +2,12 @@
 tests run in.
 
 The order: tests marked `timing` (the doctor's and the scaling gap's, which assert how long things took) run
-first, while nothing else of ours runs but the oldest torch's download (network: `pytest_collection_finish`). The
-first test after them queues the long jobs that time nothing, those its session will read: the generated README's
-commands (readme_commands.py), the own project's story (own_project.py), the oldest releases (test_oldest.py), the
-benchmarks' tiny runs (test_benchmarks.py) and the GPU check's dry run (test_gpu_check.py), with tests/library's
-early jobs, in one queue (tests/library/early.py: a few at a time, the longest first). The other tests run meanwhile;
-the ones that read a job wait for its result. From then on, the processes the tests start let idle OpenMP threads
-sleep (`idle_threads_sleep`).
+first, while nothing else of ours runs. The first test after them queues the long jobs that time nothing, those
+its session will read: the generated README's commands (readme_commands.py), the own project's story
+(own_project.py), the oldest releases (test_oldest.py), the benchmarks' tiny runs (test_benchmarks.py) and
+the GPU check's dry run (test_gpu_check.py), with tests/library's early jobs, in one queue (tests/library/early.py: a
+few at a time, the longest first). The other tests run meanwhile; the ones that read a job wait for its result.
+From then on, the processes the tests start let idle OpenMP threads sleep (`idle_threads_sleep`).
 
 Tests marked `environ` (tests/library/test_environment.py: units whose input is a variable they set in this process)
 run after the timing tests and before the jobs start: a job's processes inherit this process's environment
@@ -23,16 +22,13 @@ about when the jobs end, so that their runs fill the cores the jobs leave; then 
 waiting for its job holds up every test after it).
 """
 
-import atexit
 import inspect
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -176,31 +172,8 @@ def background(request, tmp_path_factory) -> None:
     if "oldest_run" in jobs:  # the oldest torch's download (network, not CPU) outside the slots
         from test_oldest import oldest_wheels
 
-        prepare["oldest_run"] = _downloaded if _oldest_download else oldest_wheels
+        prepare["oldest_run"] = oldest_wheels
     early.start(jobs, tmp_path_factory.mktemp, prepare)
-
-
-# The oldest torch's download (2.74 GB of wheels, test_oldest.oldest_wheels) starts as soon as the tests are
-# collected, before the timing tests, not with the jobs 3-4 minutes later: on CI's fresh machines it took 500 s and
-# more, and the oldest releases' job starts when it has ended. It waits on the network, at a few CPU-s a minute.
-_oldest_download: list[tuple[Future, Path]] = []
-
-
-def pytest_collection_finish(session):
-    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    if "oldest_run" in used and not session.config.option.collectonly:
-        from test_oldest import oldest_wheels
-
-        folder = Path(tempfile.mkdtemp(prefix="oldest-wheels-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        _oldest_download.append((ThreadPoolExecutor(1).submit(oldest_wheels, folder), folder))
-
-
-def _downloaded(base: Path) -> None:
-    """The oldest job's preparation when the download started at collection: its wheels, linked into its folder."""
-    download, folder = _oldest_download[0]
-    download.result()  # its error, if it failed
-    (base / "wheels").symlink_to(folder / "wheels", target_is_directory=True)
 
 
 @pytest.fixture(scope="session")
