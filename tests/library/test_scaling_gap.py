@@ -30,6 +30,7 @@ from ddpkit.scaling.gap import (
     predict,
 )
 from ddpkit.scaling.record import DoctorRecord
+from ddpkit.testing.helpers import exit_status
 from ddpkit.testing.toy import ToyData
 
 pytestmark = pytest.mark.timing  # they run first, alone (tests/conftest.py)
@@ -131,7 +132,7 @@ def run_cases(base: Path, cases: dict, timeout: float = 900) -> dict[str, Doctor
                 popens.append(proc)
             else:
                 groups[name] = toy_server().fork(fit, root, env, logs[name], "main")
-                codes[name] = partial(forked_status, logs[name])
+                codes[name] = partial(exit_status, logs[name])
         deadline = time.monotonic() + timeout
         while any(code() is None for code in codes.values()) and time.monotonic() < deadline:
             if any(code() for code in codes.values()):
@@ -151,13 +152,6 @@ def run_cases(base: Path, cases: dict, timeout: float = 900) -> dict[str, Doctor
     return {
         name: DoctorRecord.from_dict(json.loads(next((base / name).rglob("doctor.json")).read_text())) for name in cases
     }
-
-
-def forked_status(log: Path) -> int | None:
-    """A forked run's exit status, which its waiter writes beside its output once it has ended; None until then."""
-    rc = Path(f"{log}.rc")
-    text = rc.read_text().strip() if rc.exists() else ""
-    return int(text) if text else None
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,15 @@ def alive(group: int) -> bool:
         return True
 
 
+def exit_status(log: Path) -> int | None:
+    """The exit status of a run forked with output `log`, which its waiter writes beside the output once the run has
+    ended (forkserver.py); None until then."""
+    try:
+        return int(Path(f"{log}.rc").read_text())
+    except FileNotFoundError:
+        return None
+
+
 def run_main(
     *args: str,
     cwd: Path,
@@ -141,18 +150,18 @@ def run_main(
     try:
         pid = server.fork(list(args), cwd, env, log, entry, ranks)
         deadline = time.monotonic() + timeout
-        while not rc.exists() or alive(pid):  # its status, and the end of every rank it started
-            if rc.exists() and deadline > time.monotonic() + RANKS_GRACE:
+        while (code := exit_status(log)) is None or alive(pid):  # its status, and the end of every rank it started
+            if code is not None and deadline > time.monotonic() + RANKS_GRACE:
                 deadline = time.monotonic() + RANKS_GRACE  # it has ended: its ranks get a few seconds, no more
             if time.monotonic() > deadline:
                 if alive(pid):
                     os.killpg(pid, signal.SIGKILL)
-                if rc.exists():  # ended, but a rank it started did not: report the run's own end
+                if code is not None:  # ended, but a rank it started did not: report the run's own end
                     break
                 out = log.read_text()
                 raise AssertionError(f"main.py {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
             time.sleep(0.05)
-        return subprocess.CompletedProcess(["main.py", *args], int(rc.read_text()), log.read_text(), None)
+        return subprocess.CompletedProcess(["main.py", *args], code, log.read_text(), None)
     finally:
         if temporary:
             log.unlink(missing_ok=True)
