@@ -35,6 +35,7 @@ DEFAULT_CALLBACKS = {
     "RunConfigSaver",
     "SaveTrackerRuns",
     "ScalingDoctor",
+    "UnevenListSync",
 }
 LIGHTNINGS = ("ProgressBar", "ModelSummary")
 # 256 samples: 4 steps an epoch, 2 epochs, so a batch starts after an epoch's end (validation, checkpoint); every

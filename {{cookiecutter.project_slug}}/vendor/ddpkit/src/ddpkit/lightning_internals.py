@@ -1,4 +1,4 @@
-"""Every private name of Lightning or torch that ddpkit relies on, in one place.
+"""Every private name of Lightning, torch or torchmetrics that ddpkit relies on, in one place.
 
 Each is a debt: a new release may rename or remove it. ddpkit's own tests check every name in `PRIVATE_NAMES`
 (and the behaviour of the helpers below) and fail naming the Lightning and torch versions, so an upgrade says
@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every BatchNorm*d, and SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
+from torchmetrics import Metric
 
 # (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
 # `_timeout`, `_ddp_comm_hook` and `_ddp_kwargs`, a ThroughputMonitor's `_throughputs`) are tested through their
@@ -43,6 +44,7 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (BatchNormBase, "_check_input_dim"),
     (torch.distributed.distributed_c10d, "_get_default_store"),
     (DDPStrategy, "_setup_model"),  # CurrentStreamDDPStrategy
+    (Metric, "_sync_dist"),  # gather_uneven_lists; a metric's `_reductions` and `_defaults` are tested through it
 ]
 
 
@@ -272,3 +274,48 @@ class CurrentStreamDDPStrategy(DDPStrategy):
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
+def gather_uneven_lists(metric: Metric) -> bool:
+    """Let `metric` sync its list states without a reduction (`dist_reduce_fx=None`: an entry per update or per sample,
+    as MeanAveragePrecision's boxes of each image, the retrieval metrics' batches) when the ranks hold different
+    numbers of entries. torchmetrics gathers such a list one entry at a time, a collective per entry: a rank holding
+    fewer leaves the others in a collective it never joins, and gloo fails ("Received data size doesn't match
+    expected size") where NCCL waits out the timeout (torchmetrics issue #3199, open). ddpkit's evaluation deals the
+    samples round-robin without repeats, so ranks hold a sample less whenever the set does not divide by the device
+    count. Such a list is then gathered whole, entry by entry across the ranks: the 1-device order of round-robin
+    shares. Lists of even length, and the other states, sync as torchmetrics syncs them. Returns whether the metric
+    has such a state."""
+    if not _uneven_candidates(metric):
+        return False
+    if not isinstance(metric.__dict__.get("_sync_dist"), functools.partial):  # once per metric
+        metric._sync_dist = functools.partial(_sync_uneven_lists, metric)
+    return True
+
+
+def _uneven_candidates(metric: Metric) -> list[str]:
+    return [name for name, fx in metric._reductions.items() if fx is None and isinstance(metric._defaults[name], list)]
+
+
+def _sync_uneven_lists(metric: Metric, dist_sync_fn: Callable | None = None, process_group: Any = None) -> None:
+    group = process_group or metric.process_group
+    names = _uneven_candidates(metric)
+    mine = [(len(getattr(metric, n)), all(isinstance(e, torch.Tensor) for e in getattr(metric, n))) for n in names]
+    every = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(every, mine, group=group)
+    # Lists of tensors on every rank (MeanAveragePrecision's segmentation masks, tuples, it gathers itself).
+    uneven = [n for i, n in enumerate(names) if len({r[i][0] for r in every}) > 1 and all(r[i][1] for r in every)]
+    if uneven:
+        shares = [None] * len(every)
+        local = [[entry.cpu() for entry in getattr(metric, name)] for name in uneven]
+        torch.distributed.all_gather_object(shares, local, group=group)
+        for i, name in enumerate(uneven):
+            longest = max(len(share[i]) for share in shares)
+            merged = [share[i][k] for k in range(longest) for share in shares if k < len(share[i])]
+            setattr(metric, name, [entry.to(metric.device) for entry in merged])
+    reductions = metric._reductions
+    metric._reductions = {name: fx for name, fx in reductions.items() if name not in uneven}
+    try:
+        type(metric)._sync_dist(metric, dist_sync_fn, process_group=process_group)
+    finally:
+        metric._reductions = reductions

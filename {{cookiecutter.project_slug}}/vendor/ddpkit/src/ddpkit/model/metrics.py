@@ -5,11 +5,19 @@
 `update(1.0, weight=3); update(2.0, weight=1)` gives 1.5, not 1.25, and a per-batch mean weighted by the batch's
 size then differs between 1 and 2 devices. `Mean` sums value x weight and the weights, checks nothing (a NaN loss
 shows as NaN), and sums both over the ranks at `compute()`: each sample counts once on any number of devices.
+
+`UnevenListSync`, which the CLI adds to every run: a metric that keeps an entry per sample or per update
+(torchmetrics' MeanAveragePrecision, the retrieval metrics) syncs when the ranks hold different numbers of samples.
 """
 
+from typing import Any
+
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor
 from torchmetrics import Metric
+
+from ..lightning_internals import gather_uneven_lists
 
 
 class Mean(Metric):
@@ -33,3 +41,27 @@ class Mean(Metric):
 
     def compute(self) -> Tensor:
         return self.total / self.weight
+
+
+class UnevenListSync(Callback):
+    """Lets every torchmetrics metric of the module that keeps an entry per sample or per update (MeanAveragePrecision's
+    boxes of each image, the retrieval metrics' batches, SSIM's per-image scores) sync when the ranks hold different
+    numbers of them, as they do whenever an evaluation set does not divide by the device count: ddpkit deals its
+    samples without repeats. torchmetrics gathers such a list an entry at a time and, with a rank short of one, fails
+    under gloo or hangs under NCCL (torchmetrics issue #3199); here the list is gathered whole, in the 1-device order
+    (lightning_internals.gather_uneven_lists). The metrics are looked up when each loop starts, after the module's
+    `setup` and `configure_model` have made them."""
+
+    def _prepare(self, pl_module: Any) -> None:
+        for module in pl_module.modules():
+            if isinstance(module, Metric):
+                gather_uneven_lists(module)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._prepare(pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._prepare(pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._prepare(pl_module)

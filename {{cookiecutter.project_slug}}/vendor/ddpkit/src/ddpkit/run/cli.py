@@ -34,6 +34,7 @@ from ..lightning_internals import SubcommandCLI, ddp_timeout, is_subprocess_laun
 from ..model.batchnorm import SyncBatchNormAnyDevice, unsynced_batchnorm_warning
 from ..model.matmul import CHOICES as MATMUL_CHOICES
 from ..model.matmul import float32_matmul_precision
+from ..model.metrics import UnevenListSync
 from ..presets import hint as preset_hint
 from ..scaling.doctor import ScalingDoctor
 from ..tune.run import TRIAL_CHANNEL, TRIAL_CHECK, TRIAL_METRIC, TRIAL_WORKER
@@ -250,7 +251,7 @@ class CLI(SubcommandCLI):
         tuning = self.subcommand == "fit" and TRIAL_CHANNEL in os.environ
         trial = [TrialReport(os.environ[TRIAL_METRIC], os.environ[TRIAL_CHANNEL])] if tuning else []
         resumes = [RecordVersion(), ResumeLoaderPosition(), ResumedAccumulation()]
-        added = [stop, *requeue, *writer, *lr, *trackers, *trial, *resumes, HangDump()]
+        added = [stop, *requeue, *writer, *lr, *trackers, *trial, *resumes, HangDump(), UnevenListSync()]
         self.trainer_defaults = {**defaults, "callbacks": [*given, *added]}
         try:
             built = super().instantiate_trainer(**kwargs)
