@@ -12,6 +12,7 @@ import torch
 from procs import concurrently, toy_ok
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddpkit import GlobalBatchDataModule
 from ddpkit.scaling import sweeper as scaling
 from ddpkit.scaling.doctor import ScalingDoctor
 from ddpkit.scaling.gap import PARTS, global_batch
@@ -152,3 +153,45 @@ def test_explain_refuses_a_summary_of_another_schema(micro_batched, tmp_path):
     (tmp_path / "new.json").write_text(json.dumps(two))
     with pytest.raises(SystemExit, match=r"old.json has schema 1, this ddpkit reads schema 3: fit that run again"):
         scaling.main(["--explain", str(tmp_path / "old.json"), str(tmp_path / "new.json")])
+
+
+class ZipCollated(GlobalBatchDataModule):
+    """A detector's samples (an image, a dict of targets), collated as torchvision's detection references do: a
+    tuple of images and a tuple of targets."""
+
+    def train_dataset(self):
+        return [(torch.randn(3, 8, 8), {"labels": torch.zeros(1)}) for _ in range(64)]
+
+    def loader_kwargs(self) -> dict:
+        return {**super().loader_kwargs(), "collate_fn": lambda samples: tuple(zip(*samples))}
+
+
+class OnImages(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3 * 8 * 8, 1)
+
+    def training_step(self, batch, batch_idx):
+        images, _ = batch
+        return self.layer(torch.stack(images).flatten(1)).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_batch_of_images_in_a_tuple_counts_its_images():
+    """With a GlobalBatchDataModule the doctor counts its micro-batch (8 images), not what Lightning's rule finds in
+    a tuple of images, the first image's 3 channels."""
+    doctor = ScalingDoctor(warmup_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor],
+    )
+    trainer.fit(OnImages(), datamodule=ZipCollated(global_batch_size=8))
+    assert doctor.summary.micro_batch_size == 8 and doctor.summary.ranks[0].batch == 8

@@ -82,6 +82,11 @@ class ScalingDoctor(L.Callback):
             return
         self._device = pl_module.device
         self._meter = StepMeter(self._device, self.warmup_steps, self.cuda_sample_every, trainer.global_step)
+        # A GlobalBatchDataModule's training batches all hold its micro-batch; otherwise Lightning's rule (the first
+        # tensor's length) counts each batch, which for a detector's batch (a tuple of images of their own sizes,
+        # torchvision's `tuple(zip(*samples))`) is the first image's channels.
+        micro_batch = getattr(trainer.datamodule, "micro_batch", None)
+        self._samples = micro_batch() if callable(micro_batch) else None
         self._comm_measured = False
         gc.callbacks.append(self._meter.time_gc)
         self._latency_ms: float | None = None
@@ -112,7 +117,7 @@ class ScalingDoctor(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not self.enabled:
             return
-        self._meter.batch_start(trainer.global_step, batch)
+        self._meter.batch_start(trainer.global_step, batch, self._samples)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if not self.enabled:

@@ -213,7 +213,8 @@ class StepMeter:
         self._fetch_s += time.perf_counter() - self._fetch_start
         self._data_wait_s += self._runqueue() - self._wait_fetch
 
-    def batch_start(self, global_step: int, batch) -> None:
+    def batch_start(self, global_step: int, batch, samples: int | None = None) -> None:
+        """A batch starts: its samples are `samples`, else counted by Lightning's rule."""
         if not self._step.micro_batches:  # the first batch of an optimizer step
             self._global_step = global_step
             self._timing = self.steps >= self.warmup_steps and self.steps % self._every == 0
@@ -221,7 +222,7 @@ class StepMeter:
             self._comm_wait.clear()
         self._wait_start = self._runqueue()
         self._start = time.perf_counter()
-        self._samples = extract_batch_size(batch)
+        self._samples = samples if samples is not None else extract_batch_size(batch)
 
     def batch_end(self, global_step: int) -> bool:
         """Add the batch that just ended to its optimizer step; True when it ended that step."""
