@@ -25,7 +25,7 @@ from ddpkit.testing.fingerprints import (
     rank_difference,
     sample_key,
 )
-from ddpkit.testing.parity_probe import sample_keys
+from ddpkit.testing.parity_probe import ReversedBatches, batch_len, sample_keys
 from ddpkit.testing.runs import Wave, Waves
 
 
@@ -169,6 +169,23 @@ def test_a_sample_key_is_its_content_and_types():
                   {**a, "ids": torch.tensor([[3, 4]])}, {**a, "label": 2}, {**a, "text": "y"}):  # fmt: skip
         assert sample_key(other) != sample_key(a), other
     assert sample_key(np.arange(3)) == sample_key(torch.arange(3)) and len(sample_key(a)) == 16
+
+
+def test_a_batch_of_sequences_of_samples_counts_and_keys_each_sample():
+    """A detector's batch (torchvision's `tuple(zip(*samples))`: a tuple of 3-channel images, a tuple of target dicts)
+    holds 4 samples, not the first image's 3 channels; each sample has a key of its own image and targets, the same
+    in another batch; reversing such a batch leaves each image's channels as they were."""
+    images = [10.0 * i + torch.arange(3.0).reshape(3, 1, 1).expand(3, 5, 5).clone() for i in range(4)]
+    targets = [{"boxes": torch.tensor([[0.0, 0.0, 1.0, 1.0]]) * i, "labels": torch.tensor([i])} for i in range(4)]
+    batch = (tuple(images), tuple(targets))
+    assert batch_len(batch) == 4 and batch_len((torch.zeros(4, 3, 5, 5), torch.zeros(4))) == 4
+    keys = sample_keys(batch)
+    assert len(set(keys)) == 4 and sample_keys((tuple(images[2:]), tuple(targets[2:]))) == keys[2:]
+    listed = [list(images), list(targets)]
+    ReversedBatches().on_train_batch_start(None, None, listed, 0)
+    assert [int(image[0, 0, 0]) for image in listed[0]] == [30, 20, 10, 0] and sample_keys(listed) == keys[::-1]
+    ReversedBatches().on_train_batch_start(None, None, batch, 0)
+    assert [image[:, 0, 0].tolist() for image in batch[0]] == [[10.0 * i, 10.0 * i + 1, 10.0 * i + 2] for i in range(4)]
 
 
 def test_a_difference_is_one_line_with_the_dataset_the_index_and_both_keys():

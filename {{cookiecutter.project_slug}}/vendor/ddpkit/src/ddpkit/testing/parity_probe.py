@@ -32,18 +32,39 @@ def leaves(batch: Any) -> list[Tensor]:
     return []
 
 
+def per_sample(batch: Any) -> list | None:
+    """The samples of a batch collated into sequences of samples (torchvision's detection references' `tuple(zip(
+    *samples))`: a tuple of images, each of its own size, and a tuple of targets), one tuple each; None for a batch of
+    batched tensors. Such a batch is a tuple or list of tuples or lists, all of one length."""
+    if isinstance(batch, (tuple, list)) and batch and all(isinstance(part, (tuple, list)) for part in batch):
+        if len({len(part) for part in batch}) == 1:
+            return list(zip(*batch, strict=True))
+    return None
+
+
 def batch_len(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
-    return len(leaves(batch)[0])
+    """Samples in a batch: the first dimension of its first tensor, or the length of its sequences of samples
+    (`per_sample`), where the first tensor is the first image and its first dimension the image's channels."""
+    samples = per_sample(batch)
+    return len(samples) if samples is not None else len(leaves(batch)[0])
 
 
 def sample_keys(batch: Any) -> list[str]:
     """One identity per sample of a collated batch, for a loader whose samples cannot be read before collation
-    (fingerprints.TrainSamples): a hash of its row in every tensor of the batch. Floats are hashed as float32, which
-    holds the loaded values exactly in any run precision (64-true converts float32 up)."""
-    tensors = [t.detach().cpu() for t in leaves(batch) if t.ndim and len(t) == batch_len(batch)]
-    tensors = [t.float() if t.is_floating_point() else t.long() for t in tensors]
+    (fingerprints.TrainSamples): a hash of its row in every tensor of the batch (of its every tensor, for a batch of
+    sequences of samples). Floats are hashed as float32, which holds the loaded values exactly in any run precision
+    (64-true converts float32 up)."""
+    samples = per_sample(batch)
+    if samples is not None:
+        rows = [[_exact(t) for t in leaves(list(sample))] for sample in samples]
+        return [hashlib.sha1(b"".join(t.numpy().tobytes() for t in row)).hexdigest() for row in rows]
+    tensors = [_exact(t) for t in leaves(batch) if t.ndim and len(t) == batch_len(batch)]
     return [hashlib.sha1(b"".join(t[i].numpy().tobytes() for t in tensors)).hexdigest() for i in range(len(tensors[0]))]
+
+
+def _exact(tensor: Tensor) -> Tensor:
+    tensor = tensor.detach().cpu()
+    return tensor.float() if tensor.is_floating_point() else tensor.long()
 
 
 class NoDropout(L.Callback):
@@ -69,6 +90,11 @@ class ReversedBatches(L.Callback):
     reference of a model that micro-batches would change (BatchNorm) or a data module that takes none."""
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if per_sample(batch) is not None:  # sequences of samples: a list reversed in place, a tuple left as it is
+            for part in batch:
+                if isinstance(part, list):
+                    part.reverse()
+            return
         n = batch_len(batch)
         for tensor in leaves(batch):
             if tensor.ndim and len(tensor) == n:  # per-sample rows; in place: the step gets this very batch
