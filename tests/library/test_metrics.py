@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import finish, start
 from torchmetrics import MeanMetric
 from torchmetrics.retrieval import RetrievalMAP
 
@@ -47,23 +48,10 @@ def test_states_take_the_default_dtype_at_creation():
 
 
 def sync_on_two_ranks(tmp_path, patch: bool) -> list[subprocess.CompletedProcess]:
-    port = str(free_port())
     cmd = [sys.executable, str(Path(__file__).with_name("list_sync.py"))]
-    procs = [
-        subprocess.Popen(
-            [*cmd, str(rank), port, str(int(patch))],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), p.stdout.read(), None) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    port = str(free_port())
+    procs = [start([*cmd, str(rank), port, str(int(patch))], tmp_path) for rank in range(2)]
+    return [finish(proc, timeout=120) for proc in procs]
 
 
 def test_list_states_sync_when_ranks_hold_different_numbers_of_entries(tmp_path):
