@@ -5,9 +5,12 @@ losses. `Tagger` and `Sequences` are also the model and data of the suite's prob
 
 NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
 - LOSS: `tokens` (a per-token cross-entropy over padded sequences of 1 to 8 tokens), `weighted` (a class-weighted
-  cross-entropy, one label a sequence), `masked` (a masked mean squared error);
+  cross-entropy, one label a sequence), `masked` (a masked mean squared error), `contrastive` (a CLIP-style loss:
+  each sequence's first token and its other tokens' mean are two views, each matched against the batch's others);
 - COUNT: `global` (ddpkit.global_mean: the step's count over every rank and micro-batch) or `batch` (the mean over the
-  batch the step is given: the loss as usually written, which divides by each rank's, each micro-batch's count);
+  batch the step is given: the loss as usually written, which divides by each rank's, each micro-batch's count); for
+  `contrastive`: `batch` (each rank's own rows, as usually written), `gathered` (each rank's rows against every
+  rank's, ddpkit.gather_batch) or `everywhere` (the global batch's loss on every rank, open_clip's local_loss=False);
 - ACCUMULATION: micro-batches per optimizer step.
 Each fit: float64, 4 optimizer steps of a global batch of 16 sequences, SGD, gradient clipping at norm 0.8 and the
 learning-rate finder's sweep (ddpkit.tune.lr_sweep.LRSweep, lr 0.1 to 1). The gradient's norm is 0.3 to 1.4 (0.33 to
@@ -22,7 +25,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from ddpkit import GlobalBatchDataModule, global_mean
+from ddpkit import GlobalBatchDataModule, gather_batch, global_mean
 from ddpkit.tune.lr_sweep import LRSweep
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -53,8 +56,9 @@ class Sequences(GlobalBatchDataModule):
 
 
 class Tagger(L.LightningModule):
-    """A linear tagger trained with one of the three losses (`loss`), divided by the step's global count (`count`
-    "global") or by the batch's own ("batch")."""
+    """A linear tagger trained with one of the four losses (`loss`), divided by the step's global count (`count`
+    "global") or by the batch's own ("batch"); the contrastive one over the batch's own rows ("batch") or every
+    rank's ("gathered", "everywhere")."""
 
     def __init__(self, loss: str = "tokens", count: str = "batch") -> None:
         super().__init__()
@@ -65,6 +69,10 @@ class Tagger(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, target = batch
         logits = self.layer(x)  # (B, T, C)
+        if self.loss == "contrastive":
+            loss = self.contrastive(x)
+            self.log("train/loss", loss, sync_dist=True)
+            return loss
         if self.loss == "tokens":
             summed = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD, reduction="sum")
             count = (y != PAD).sum()
@@ -81,8 +89,24 @@ class Tagger(L.LightningModule):
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
+    def contrastive(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.normalize(self.layer(x[:, 0]), dim=-1)
+        b = F.normalize(self.layer(x[:, 1:].mean(1)), dim=-1)
+        if self.count == "batch":  # a rank's own rows only
+            return matched(a, b, a, b, torch.arange(len(a)))
+        every_a, every_b = gather_batch(a, self), gather_batch(b, self)
+        if self.count == "everywhere":
+            return matched(every_a, every_b, every_a, every_b, torch.arange(len(every_a)))
+        return matched(a, b, every_a, every_b, torch.arange(len(a)) + self.global_rank * len(a))
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def matched(a, b, every_a, every_b, mine) -> torch.Tensor:
+    """CLIP's symmetric loss of the rows `a`, `b` against the candidates `every_b`, `every_a` (row i's match:
+    `mine[i]`), averaged over the rows."""
+    return (F.cross_entropy(a @ every_b.T / 0.2, mine) + F.cross_entropy(b @ every_a.T / 0.2, mine)) / 2
 
 
 class Record(L.Callback):

@@ -13,11 +13,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from ddpkit.model.losses import MicroBatchesRefused
+from ddpkit.run.checks import BadInput, check_micro_batches
+from ddpkit.testing.configured import probe_training_step
 from ddpkit.testing.loss_probe import batch_mean_line
 from ddpkit.testing.runs import comparable, plan
-from global_mean_fit import FEATURES, Sequences, Tagger
+from global_mean_fit import FEATURES, Sequences, Tagger, loader
 from procs import TESTS, finish, start
 
 LOSSES = ["tokens", "weighted", "masked"]
@@ -35,6 +39,8 @@ def fits(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("global_mean")
     one = [f"{loss}-{variant}" for loss in LOSSES for variant in ("batch-1", "global-4", "batch-4")]
     two = [f"{loss}-{variant}" for loss in LOSSES for variant in ("global-2", "batch-1")]
+    one += ["contrastive-batch-1", "contrastive-batch-4"]
+    two += [f"contrastive-{count}-1" for count in ("gathered", "everywhere", "batch")]
     script = str(TESTS / "global_mean_fit.py")
     procs = [
         start([sys.executable, script, str(out), str(n), *names], out, {"OMP_NUM_THREADS": "1"})
@@ -147,3 +153,57 @@ def test_the_count_probe_looks_at_a_batchnorm_model_too(loss):
     batch_only = NormalizedTagger(loss, "global")
     batch_only.norm.track_running_stats, batch_only.norm.running_mean, batch_only.norm.running_var = False, None, None
     assert batch_mean_line(batch_only, Sequences(global_batch_size=16)) == ""
+
+
+def test_a_contrastive_loss_over_gathered_rows_trains_1_devices_weights_on_2_processes(fits):
+    """A CLIP-style loss with ddpkit.gather_batch, each rank's rows against every rank's or the global batch's loss on
+    every rank, trains on 2 processes the weights of 1 device given the whole global batch, and logs its loss; against
+    a rank's own rows (as usually written, and in micro-batches) it trains other weights. Mutations: gather_batch's
+    backward without its all-reduce, or the ranks' rows gathered in another order (both measured off by > 1e-2)."""
+    reference = fits["1dev-contrastive-batch-1"]
+    for count in ("gathered", "everywhere"):
+        gathered = fits[f"2dev-contrastive-{count}-1"]
+        assert relative(gathered["weights"], reference["weights"]) <= EXACT, count
+        assert relative_values(gathered["logged"], reference["logged"]) <= EXACT, count
+    assert relative(fits["2dev-contrastive-batch-1"]["weights"], reference["weights"]) > WRONG
+    assert relative(fits["1dev-contrastive-batch-4"]["weights"], reference["weights"]) > WRONG
+
+
+class Declared(Tagger):
+    """Tagger whose contrastive loss over gathered rows is declared to span the global batch."""
+
+    loss_spans_global_batch = True
+
+
+def test_a_loss_over_the_global_batch_is_named_until_declared_then_compared_without_micro_batches():
+    """Undeclared, a contrastive loss gets the count probe's line, which names gather_batch and the declaration (one
+    that calls gather_batch, whose split step stops, a line that names the declaration); declared, the probe gives
+    no line, the suite plans no micro-batch runs (its accumulation test skips, the rounding reference reverses the
+    batches) and the CLI refuses micro-batches with one line. Mutations: the probe ignoring the declaration (the
+    line), the plan ignoring it (micro-batches of 4)."""
+    data = Sequences(global_batch_size=16)
+    written = batch_mean_line(Tagger("contrastive", "batch"), data)
+    assert written.startswith("Tagger's loss of a batch is not the mean of its samples' losses")
+    assert "`ddpkit.gather_batch(z, self)`" in written and "`loss_spans_global_batch = True`" in written
+    gathers = batch_mean_line(Tagger("contrastive", "gathered"), data)
+    assert gathers.startswith("Tagger's loss compares its rows with every rank's (ddpkit.gather_batch) but does not")
+    probed = probe_training_step(Declared("contrastive", "gathered"), data, {})
+    assert probed["batch_mean"] == "" and probed["random_step"] == ""
+    facts = {"steps_per_epoch": 4, "global_batch_size": 16, "takes_micro_batch_size": True}
+    assert plan(facts)["micro_batch_size"] == 4
+    assert plan({**facts, "spans_batch": True})["micro_batch_size"] is None
+    check_micro_batches(Declared("contrastive", "gathered"), Sequences(global_batch_size=16), 2)
+    check_micro_batches(Tagger("contrastive", "gathered"), Sequences(global_batch_size=16, micro_batch_size=4), 2)
+    with pytest.raises(BadInput, match=r"into 2 micro-batches, but Declared's loss spans the global batch"):
+        check_micro_batches(Declared("contrastive", "gathered"), Sequences(global_batch_size=16, micro_batch_size=4), 2)
+
+
+def test_gather_batch_refuses_micro_batches(tmp_path):
+    """Under Lightning's accumulation (a fit without the CLI's check) gather_batch stops the first step: a micro-batch
+    would see only its own rows. Mutation: the check removed (the fit trains)."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision="64-true", max_steps=1, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(MicroBatchesRefused, match="gather_batch in Tagger: with 2 micro-batches per step"):
+        trainer.fit(Tagger("contrastive", "gathered"), train_dataloaders=loader(1, 0, 2))

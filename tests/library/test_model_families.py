@@ -247,14 +247,27 @@ WHOLE_CHECK = ("toy", "small-cnn-unsynced")
 def test_one_step_check_fails_on_a_summed_loss_and_unsynced_batchnorm(suites, name, precision):
     """The one-step check fails for each bug in each family in float32 and in bf16-mixed, a gradient or a buffer
     after the step over its bound (listed first), by at least ONE_STEP_MARGIN[name] times the bound; the whole check,
-    its second look included, for the WHOLE_CHECK families."""
+    its second look included, for the WHOLE_CHECK families. Its message names a summed loss's gradient, 0.5 x 1
+    device's in the same direction, and no unsynchronized BatchNorm's that way."""
     suite = suites[name]
     if name in WHOLE_CHECK:
-        with pytest.raises(AssertionError, match=r"global batch \d+, (gradient|after):\n .*\(OVER bound"):
+        with pytest.raises(AssertionError, match=r"global batch \d+, (gradient|after):\n .*\(OVER bound") as failed:
             call(check_onestep.test_one_step_from_the_same_state_matches_1_vs_2_devices, suite, precision=precision)
     margin = one_step_margin(suite, precision)
     print(f"{name} {precision}: 2 devices' gradients at {margin:.3g} x the one-step bound")  # docs/measurements.md
     assert margin >= ONE_STEP_MARGIN[name]
+    # A summed loss halves 2 devices' gradient without turning it, and the check's message says so; unsynchronized
+    # BatchNorm turns it. The ResNet's bf16 steps with a summed loss overflow at random (NaN or 1e30 on 1 or 2
+    # devices at some global batch, in 4 of 4 sessions, 2026-12-07): no line is promised there. Mutation:
+    # gradient_scale's direction test dropped (the BatchNorm models get the line).
+    scale = check_onestep.gradient_scale(*map(check_onestep.records, check_onestep.step_runs(suite.runs, precision)))
+    if "summed" in MODELS[name][1] and (name, precision) != ("resnet18-groupnorm", "bf16"):
+        factors = [float(f) for f in re.findall(r"[\d.]+", scale.partition(" x 1 device's")[0].partition(" is ")[2])]
+        assert factors and all(abs(f - 0.5) <= 0.01 for f in factors), scale
+    elif "summed" not in MODELS[name][1]:
+        assert scale == ""
+    if name in WHOLE_CHECK:
+        assert str(failed.value).startswith(scale)
 
 
 @pytest.mark.parametrize("name", [name for name, (_, bugs) in MODELS.items() if "logs" in bugs])

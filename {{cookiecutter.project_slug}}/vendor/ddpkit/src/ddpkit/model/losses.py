@@ -15,14 +15,24 @@ of two float64 numbers) and rescales the gradient the step's earlier micro-batch
 the gradients are the global mean's so far: gradient clipping and every hook see them normalised. The returned
 value is the step's global mean so far, the same on every rank, so `self.log("train/loss", loss)` logs the global
 batch's mean at the step's last micro-batch. Outside training (validation, test) it returns `loss_sum / count`, the
-batch's own mean. The manual: vendor/ddpkit/docs/losses.md.
+batch's own mean.
+
+A loss that compares each sample with the batch's others (contrastive: CLIP, SimCLR) has no count to share: each rank
+must see the whole global batch's rows. `gather_batch` gives them, with their gradients, and a module whose loss needs
+them says so with `loss_spans_global_batch = True`: micro-batches are then refused (a micro-batch sees only its own
+rows) and the guarantee suite compares 1 and N devices without them. The manual: vendor/ddpkit/docs/losses.md.
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor
+
+# The module attribute that declares a loss over the whole global batch (a contrastive loss over gathered rows):
+# the CLI refuses micro-batches for it and the guarantee suite plans no micro-batch runs (run/checks.py, testing/).
+SPANS_GLOBAL_BATCH = "loss_spans_global_batch"
 
 # The module attribute that holds the step's sums so far; the learning-rate finder reads it (step_mean).
 STATE = "_ddpkit_global_mean"
@@ -96,3 +106,50 @@ def step_mean(module: LightningModule, step: int) -> float | None:
     if sums is None or sums.step != step:
         return None
     return (sums.total / sums.denominator).item()
+
+
+class MicroBatchesRefused(RuntimeError):
+    """gather_batch under micro-batches (the guarantee suite's probe tells a module that gathers from this)."""
+
+
+def spans_global_batch(module) -> bool:
+    """Whether the module declares `loss_spans_global_batch = True`."""
+    return getattr(module, SPANS_GLOBAL_BATCH, False) is True
+
+
+def gather_batch(tensor: Tensor, module: LightningModule) -> Tensor:
+    """Every rank's `tensor` of this training step, rank 0's rows first: (global batch, ...), in the global batch's
+    order (each rank holds its consecutive share), with the gradient of every rank's loss flowing back to each rank's
+    rows. On 1 device, `tensor`. A rank's loss over its own rows against these, averaged over its rows, or the global
+    batch's loss computed on every rank, then trains 1 device's weights under DDP's average. Every rank must give the
+    same shape. Refused under micro-batches: a micro-batch would see only its own rows."""
+    trainer = module.trainer
+    if trainer.training and trainer.accumulate_grad_batches > 1:
+        raise MicroBatchesRefused(
+            f"gather_batch in {type(module).__name__}: with {trainer.accumulate_grad_batches} micro-batches per step "
+            "each would see only its own rows, not the global batch's: leave micro_batch_size unset"
+        )
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor
+    return _Gathered.apply(tensor)
+
+
+class _Gathered(torch.autograd.Function):
+    """all_gather forward; backward sums every rank's gradient of the gathered rows (an all-reduce, which every
+    backend has) and keeps this rank's rows. The ranks' losses add up to world-size times the global batch's (each
+    a mean over its own rows, or each the global one), so a rank's rows get that sum's gradient and DDP's average
+    divides the world size back out."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:
+        tensor = tensor.contiguous()
+        ctx.rows, ctx.rank = tensor.shape[0], dist.get_rank()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]

@@ -5,7 +5,7 @@ one line that says what to change, not a failure after ranks start or files are 
   visible, the global batch over the processes, `check_checkpoint`, sharding on CPU before torch 2.6),
   `warn_carried_init_args` (a class switch that keeps config.yaml's values).
 - Once the model and the data module are built, still before any rank starts: `check_optimizer_flags`,
-  `check_manual_accumulation`, `check_state_dict_fits`, `plain_datamodule_warning`.
+  `check_micro_batches`, `check_state_dict_fits`, `plain_datamodule_warning`.
 - Once fit has built the training loaders, before the first step: `IterableDataCheck` (`iterable_data_warning`).
 
 A refusal raises `BadInput` (as `ckpt_paths.resolve_ckpt_path` does); the CLI prints its message as one `error:`
@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 
 from .. import __version__
 from ..data.global_batch import GlobalBatchDataModule
+from ..model.losses import spans_global_batch
 from ..model.sharding import shards_on_cpu
 from .checkpoints import VERSION_KEY
 from .processes import rank_label
@@ -269,19 +270,24 @@ def check_optimizer_flags(config: Any, model: Any) -> None:
         )
 
 
-def check_manual_accumulation(model: Any, datamodule: Any, world: int) -> None:
-    """A module that optimizes manually steps its optimizers itself on every batch it gets, and Lightning does not
-    accumulate for it (it ignores accumulate_grad_batches, silently): micro-batches would each be a step of their
-    own, on a global batch shrunk by the accumulation factor."""
-    if model.automatic_optimization or not isinstance(datamodule, GlobalBatchDataModule):
+def check_micro_batches(model: Any, datamodule: Any, world: int) -> None:
+    """Micro-batches that would not train the global batch: Lightning does not accumulate for a module that optimizes
+    manually, and a loss over the global batch (`gather_batch`'s rows) would compare a micro-batch's samples only."""
+    micro = datamodule.micro_batch_size if isinstance(datamodule, GlobalBatchDataModule) else None
+    if not micro or micro >= (share := datamodule.global_batch_size // world):
         return
-    micro, share = datamodule.micro_batch_size, datamodule.global_batch_size // world
-    if micro is not None and micro < share:
+    split = f"--data.micro_batch_size {micro} would split each device's {share} samples into {share // micro}"
+    if not model.automatic_optimization:
         raise BadInput(
-            f"--data.micro_batch_size {micro} would split each device's {share} samples into {share // micro} "
-            f"micro-batches, but {type(model).__name__} optimizes manually (automatic_optimization = False), "
+            f"{split} micro-batches, but {type(model).__name__} optimizes manually (automatic_optimization = False), "
             f"which Lightning does not accumulate for: every micro-batch would be an optimizer step on {micro * world} "
             f"samples instead of the global batch of {datamodule.global_batch_size}. Leave micro_batch_size unset."
+        )
+    if spans_global_batch(model):
+        raise BadInput(
+            f"{split} micro-batches, but {type(model).__name__}'s loss spans the global batch (loss_spans_global_batch"
+            f" = True): it would compare each sample with {micro * world} rows, not the global batch's "
+            f"{datamodule.global_batch_size}. Leave micro_batch_size unset (or lower global_batch_size to fit memory)."
         )
 
 

@@ -43,7 +43,7 @@ from .checks import (
     BadInput,
     IterableDataCheck,
     check_config,
-    check_manual_accumulation,
+    check_micro_batches,
     check_optimizer_flags,
     check_state_dict_fits,
     match_torchrun,
@@ -191,7 +191,7 @@ class CLI(SubcommandCLI):
         try:
             check_optimizer_flags(config, self.model)
             if self.subcommand in (None, "fit"):  # evaluation takes micro-batches as they are
-                check_manual_accumulation(self.model, self.datamodule, self.trainer.world_size)
+                check_micro_batches(self.model, self.datamodule, self.trainer.world_size)
             if ckpt_path and Path(ckpt_path).is_file():
                 check_state_dict_fits(self.model, ckpt_path)
         except BadInput as error:

@@ -171,6 +171,35 @@ def step_verdicts(
     return out
 
 
+def gradient_scale(one: dict, two: dict, exact: dict) -> str:
+    """ "" unless 2 devices' gradient is 1 device's times a number other than 1 (what is left across 1 device's
+    direction at most a tenth of the scale's difference from 1) at every judged global batch where both steps are
+    gradients of their state (1 device's within half its norm of the float64 step's, 2 devices' finite: a summed loss
+    overflowed a ResNet's bf16 steps), and there is one: then the line that names the factor and what scales a
+    gradient with the device count. Each step's whole gradient, every tensor at once (docs/measurements.md, "The
+    one-step check")."""
+    ratios = []
+    for k in sorted(k for k in one if k):  # global batch 0 is not judged (step_verdicts)
+        a, b, e = (
+            torch.cat([g[n].double().flatten() for g in r[k]["grads"] for n in sorted(g)]) for r in (one, two, exact)
+        )
+        if not ((a - e).norm() <= 0.5 * e.norm() and b.isfinite().all()):
+            continue
+        ratio = (torch.dot(a, b) / torch.dot(a, a)).item()
+        if not abs(ratio - 1) >= max(10 * ((b - ratio * a).norm() / a.norm()).item(), 1e-3):
+            return ""
+        ratios.append(ratio)
+    if not ratios:
+        return ""
+    low, high = f"{min(ratios):.3g}", f"{max(ratios):.3g}"
+    return (
+        f"2 devices' gradient is {low if low == high else f'{low} to {high}'} x 1 device's, "
+        "in the same direction: something scales it with the device count, such as a loss summed over the batch "
+        "instead of averaged over it, or rows gathered from the other ranks without their gradients (all_gather "
+        "without sync_grads, open_clip's gather_with_grad=False; ddpkit.gather_batch keeps them)\n"
+    )
+
+
 def step_report(verdicts: list, limit: int = 8) -> str:
     """The verdicts of one step and kind, one a line: those over their bound first (furthest first), then the
     others (largest relative difference first), those not judged last."""
@@ -238,11 +267,16 @@ def test_one_step_from_the_same_state_matches_1_vs_2_devices(cpu_runs, steps, pr
             for k, what in by_point
         )
 
-    assert not over, f"step-2dev-{precision} vs step-1dev-{precision}, bound {ONE_STEP_FACTOR:g} x the step's own " + (
-        "rounding: 1 device's difference from the same step in float64, at least one unit of the precision:\n"
-        + report(verdicts)
-        + f"\nand again from the states nudged by {NUDGE:g} (not a ReLU's kink):\n"
-        + report(second)
+    scale = gradient_scale(*(records(run) for run in step_runs(cpu_runs, precision))) if over else ""
+    assert not over, (
+        scale
+        + f"step-2dev-{precision} vs step-1dev-{precision}, bound {ONE_STEP_FACTOR:g} x the step's own "
+        + (
+            "rounding: 1 device's difference from the same step in float64, at least one unit of the precision:\n"
+            + report(verdicts)
+            + f"\nand again from the states nudged by {NUDGE:g} (not a ReLU's kink):\n"
+            + report(second)
+        )
     )
 
 

@@ -183,6 +183,8 @@ def test_gradient_accumulation_keeps_the_global_batch(cpu_runs, steps, run):
         pytest.skip("the module optimizes manually: Lightning does not accumulate for it (refused by the CLI)")
     if steps["batchnorm"]:
         pytest.skip("BatchNorm normalizes each micro-batch by its own statistics: accumulation changes the training")
+    if steps.get("spans_batch"):
+        pytest.skip("the loss spans the global batch (loss_spans_global_batch): micro-batches are refused by the CLI")
     if steps["accumulation"]:
         pytest.skip("a GradientAccumulationScheduler is configured (Lightning refuses a second accumulation beside it)")
     if not steps["micro_batch_size"]:

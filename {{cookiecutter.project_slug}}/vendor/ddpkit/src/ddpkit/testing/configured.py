@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from ..data.draws import batch_draws, own_draws
 from ..data.sampling import replaced_sampler
 from ..lightning_internals import BatchNormBase, ddp_kwargs
+from ..model.losses import spans_global_batch
 from .helpers import project, run_main
 from .loss_probe import batch_mean_line, probe_trainer
 from .parity_probe import NoDropout, sample_keys
@@ -66,6 +67,8 @@ def _measure(args: list[str]) -> dict:
         ],
         # Micro-batches change BatchNorm's statistics: no accumulation runs, no rounding reference from them.
         "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
+        # A loss over the global batch's gathered rows: no micro-batch runs either (the CLI refuses them).
+        "spans_batch": spans_global_batch(model),
         **callback_facts(cli.trainer.callbacks),
     }
     if info["global_batch_data"]:
@@ -191,8 +194,9 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
             "per sample (MixUp and CutMix: ddpkit.MixSamples; the manual: vendor/ddpkit/docs/your-model.md, step 2)"
         )
     unused = "" if unused_ok in (True, None) or not one.unused else unused_line(model, one, strategy_config)
-    # A step that draws random numbers differs in micro-batches anyway: that line comes first.
-    batch_mean = "" if random_step or unused else batch_mean_line(model, data)
+    # A step that draws random numbers differs in micro-batches anyway: that line comes first. A loss declared over
+    # the global batch differs in micro-batches by design, and is compared on 1 and N devices without them.
+    batch_mean = "" if random_step or unused or spans_global_batch(model) else batch_mean_line(model, data)
     return {"steps_per_batch": steps, "random_step": random_step, "unused_parameters": unused, "batch_mean": batch_mean}
 
 

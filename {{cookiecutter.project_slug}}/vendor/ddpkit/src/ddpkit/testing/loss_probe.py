@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from ..lightning_internals import BatchNormBase
+from ..model.losses import MicroBatchesRefused
 from .float64 import Float64Throughout
 from .parity_probe import NoDropout
 
@@ -90,7 +91,14 @@ def batch_mean_line(model, data) -> str:
     if not splits:
         return ""
     whole = one_step(model, data, None)
-    halves = one_step(model, data, data.global_batch_size // 2)
+    try:
+        halves = one_step(model, data, data.global_batch_size // 2)
+    except MicroBatchesRefused:
+        return (
+            f"{type(model).__name__}'s loss compares its rows with every rank's (ddpkit.gather_batch) but does not say "
+            "so: set `loss_spans_global_batch = True` on the module, and micro-batches are refused and the suite "
+            "compares 1 and N devices without them (the manual: vendor/ddpkit/docs/losses.md)"
+        )
     names = [n for n in whole if n in halves]
     a = torch.cat([whole[n].flatten() for n in names])
     b = torch.cat([halves[n].flatten() for n in names])
@@ -110,6 +118,8 @@ def batch_mean_line(model, data) -> str:
         f"(one float64 step on 1 device from the same weights: the global batch in 2 micro-batches gives a gradient "
         f"{apart:.2g} of the whole batch's apart in direction, most in {worst}), and N devices cannot train 1 "
         "device's weights: sum the loss and return `ddpkit.global_mean(loss_sum, count, self)` from training_step; "
-        "a ratio over the whole batch (a Dice, a contrastive loss) needs a per-sample form "
+        "a Dice needs a per-sample form; a loss that compares each sample with the batch's others (contrastive: CLIP, "
+        "SimCLR) must see every rank's rows, `ddpkit.gather_batch(z, self)` (open_clip's ClipLoss: "
+        "gather_with_grad=True), and then declares it with `loss_spans_global_batch = True` on the module "
         "(the manual: vendor/ddpkit/docs/losses.md)"
     )

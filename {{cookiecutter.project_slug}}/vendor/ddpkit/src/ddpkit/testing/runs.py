@@ -77,8 +77,9 @@ def plan(configured: dict) -> dict:
     with 1, 1 -> 2 on epoch 1's), counted in global batches; accumulate
     with micro-batches of a quarter of the global batch when the data module takes a micro_batch_size that
     divides it, the module optimizes automatically (the CLI refuses micro-batches with manual optimization), has no
-    BatchNorm (micro-batches would change its statistics) and no GradientAccumulationScheduler sets the accumulation
-    (Lightning refuses both). `accumulation`: global batches per optimizer step in epoch 0 and 1 (the scheduler's;
+    BatchNorm (micro-batches would change its statistics), no loss over the global batch (`loss_spans_global_batch`:
+    the CLI refuses micro-batches) and no GradientAccumulationScheduler sets the accumulation (Lightning refuses
+    both). `accumulation`: global batches per optimizer step in epoch 0 and 1 (the scheduler's;
     [] without one).
     `steps_per_batch`: optimizer steps per optimizer step of the data (several for a module that steps several
     optimizers itself), which Lightning's global_step counts; `random_step`, `batch_mean`: why numbers cannot match
@@ -89,7 +90,8 @@ def plan(configured: dict) -> dict:
     # runs whatever its factors in these 2 epochs ({4: 2} gives [1, 1] here).
     accumulation = configured.get("accumulation", [])
     accumulates = configured["takes_micro_batch_size"] and not configured.get("manual_optimization")
-    micro = batch // 4 if accumulates and batch % 4 == 0 and not batchnorm and not accumulation else None
+    spans = configured.get("spans_batch", False)  # a loss over the global batch: micro-batches refused (CLI)
+    micro = batch // 4 if accumulates and batch % 4 == 0 and not (batchnorm or spans or accumulation) else None
     first, second = (min(a, n) for a in accumulation or [1, 1])  # global batches of each epoch's first step
     steps = {
         "steps_per_epoch": n,
@@ -110,6 +112,7 @@ def plan(configured: dict) -> dict:
         # Samples of each evaluation set (0: none); a stage's runs need its set as well as its step.
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
+        "spans_batch": spans,
         "averaging": configured.get("averaging", []),
         "swa": configured.get("swa", False),
         # The one-step check's points, in global batches: after the first optimizer step, at epoch 0's end and after
