@@ -18,6 +18,7 @@ import pytest
 import torch
 from ddpkit.model.losses import MicroBatchesRefused
 from ddpkit.run.checks import BadInput, check_micro_batches
+from ddpkit.testing.check_onestep import SPANS_HINT, step_cause
 from ddpkit.testing.configured import probe_training_step
 from ddpkit.testing.loss_probe import batch_mean_line
 from ddpkit.testing.runs import comparable, plan
@@ -207,3 +208,25 @@ def test_gather_batch_refuses_micro_batches(tmp_path):
     )  # fmt: skip
     with pytest.raises(MicroBatchesRefused, match="gather_batch in Tagger: with 2 micro-batches per step"):
         trainer.fit(Tagger("contrastive", "gathered"), train_dataloaders=loader(1, 0, 2))
+
+
+def steps_of(*grads: list[float]) -> dict:
+    """One-step records (global batches 0, 1, 2) whose gradient of global batch k is grads[k]."""
+    return {k: {"grads": [{"w": torch.tensor(g, dtype=torch.float64)}]} for k, g in enumerate(grads)}
+
+
+def test_a_failed_one_step_check_is_headed_by_the_gradients_scale_or_the_declared_losss_usual_cause():
+    """2 devices' gradient a multiple of 1 device's at every judged global batch (0 is not judged) names the factor;
+    a turned gradient names the usual cause only where the module declares a loss over the global batch; a step
+    whose 1-device gradient is no gradient of its state (overflowed, far from float64's) is not read. Mutations: the
+    direction test dropped (the turned gradient reads as a scale), the declaration ignored."""
+    one = exact = steps_of([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [3.0, 1.0, 2.0])
+    halved = steps_of([9.0, 9.0, 9.0], [0.5, 1.0, 1.5], [1.5, 0.5, 1.0])
+    assert step_cause(one, halved, exact, {}).startswith(
+        "2 devices' gradient is 0.5 x 1 device's, in the same direction"
+    )
+    turned = steps_of([1.0, 2.0, 3.0], [1.0, 2.0, 3.2], [3.0, 1.2, 2.0])
+    assert step_cause(one, turned, exact, {}) == ""
+    assert step_cause(one, turned, exact, {"spans_batch": True}) == SPANS_HINT
+    overflowed = steps_of([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [3e30, 1.0, 2.0])
+    assert step_cause(overflowed, halved, exact, {}).startswith("2 devices' gradient is 0.5 x")

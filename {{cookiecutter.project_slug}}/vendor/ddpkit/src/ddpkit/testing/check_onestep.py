@@ -209,6 +209,21 @@ def gradient_scale(one: dict, two: dict, exact: dict) -> str:
     )
 
 
+# Where a module declares a loss over the global batch and 2 devices' step turns: its usual cause (the SimCLR of
+# docs/measurements.md, "Contrastive losses", compared its rows with its own rank's only).
+SPANS_HINT = (
+    "The module declares a loss over the global batch (loss_spans_global_batch) and 2 devices' step differs from 1 "
+    "device's: a rank that compares its rows with its own rows only, not every rank's, does that; compare them with "
+    "`ddpkit.gather_batch(z, self)` (the manual: vendor/ddpkit/docs/losses.md)\n"
+)
+
+
+def step_cause(one: dict, two: dict, exact: dict, steps: dict) -> str:
+    """The line that heads a failed one-step check: the gradient's scale (gradient_scale), else, for a module that
+    declares a loss over the global batch, SPANS_HINT; else ""."""
+    return gradient_scale(one, two, exact) or (SPANS_HINT if steps.get("spans_batch") else "")
+
+
 def step_report(verdicts: list, limit: int = 8) -> str:
     """The verdicts of one step and kind, one a line: those over their bound first (furthest first), then the
     others (largest relative difference first), those not judged last."""
@@ -276,9 +291,9 @@ def test_one_step_from_the_same_state_matches_1_vs_2_devices(cpu_runs, steps, pr
             for k, what in by_point
         )
 
-    scale = gradient_scale(*(records(run) for run in step_runs(cpu_runs, precision))) if over else ""
+    cause = step_cause(*(records(run) for run in step_runs(cpu_runs, precision)), steps) if over else ""
     assert not over, (
-        scale
+        cause
         + f"step-2dev-{precision} vs step-1dev-{precision}, bound {ONE_STEP_FACTOR:g} x the step's own "
         + (
             "rounding: 1 device's difference from the same step in float64, at least one unit of the precision:\n"
