@@ -150,6 +150,6 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce writes in place
         dist.all_reduce(grad)
         return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]

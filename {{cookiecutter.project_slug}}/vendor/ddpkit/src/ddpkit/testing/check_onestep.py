@@ -50,6 +50,7 @@ import pytest
 import torch
 
 from .bounds import no_gradient
+from .loss_probe import multiple_of
 from .parity_probe import digests
 from .runs import NUDGE, STEP_PRECISIONS, STEP_RECORDS, Run, Waves, comparable, optimizer_steps, reads
 
@@ -194,8 +195,8 @@ def gradient_scale(one: dict, two: dict, exact: dict) -> str:
         )
         if not ((a - e).norm() <= 0.5 * e.norm() and b.isfinite().all()):
             continue
-        ratio = (torch.dot(a, b) / torch.dot(a, a)).item()
-        if not abs(ratio - 1) >= max(10 * ((b - ratio * a).norm() / a.norm()).item(), 1e-3):
+        ratio, across = multiple_of(a, b)
+        if not abs(ratio - 1) >= max(10 * across, 1e-3):
             return ""
         ratios.append(ratio)
     if not ratios:

@@ -76,6 +76,13 @@ def probe_trainer(root: str, callback: L.Callback, **stop) -> L.Trainer:
     )  # fmt: skip
 
 
+def multiple_of(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """`b` as a multiple of `a` plus a rest across `a`'s direction: the multiple, and the rest's norm over `a`'s (also
+    the one-step check's gradient_scale)."""
+    ratio = (torch.dot(a, b) / torch.dot(a, a)).item()
+    return ratio, ((b - ratio * a).norm() / a.norm()).item()
+
+
 def batch_mean_line(model, data) -> str:
     """ "" where the global batch's gradient in 2 micro-batches points where the whole batch's does, else the line
     that says the loss is not a mean over samples, how far the two are apart, and the fix. BatchNorm layers are held
@@ -106,8 +113,7 @@ def batch_mean_line(model, data) -> str:
         return ""
     # The part of the micro-batches' gradient that is not a multiple of the whole batch's: a summed loss's halving
     # is a multiple (left to the weights checks), a count's is not.
-    ratio = torch.dot(a, b) / torch.dot(a, a)
-    apart = ((b - ratio * a).norm() / a.norm()).item()
+    ratio, apart = multiple_of(a, b)
     if apart <= APART:
         return ""
     worst = max(names, key=lambda n: ((halves[n] - ratio * whole[n]).norm() / whole[n].norm().clamp_min(1e-300)).item())
