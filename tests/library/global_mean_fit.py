@@ -68,11 +68,11 @@ class Tagger(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y, target = batch
-        logits = self.layer(x)  # (B, T, C)
         if self.loss == "contrastive":
             loss = self.contrastive(x)
             self.log("train/loss", loss, sync_dist=True)
             return loss
+        logits = self.layer(x)  # (B, T, C)
         if self.loss == "tokens":
             summed = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD, reduction="sum")
             count = (y != PAD).sum()
