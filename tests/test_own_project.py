@@ -111,20 +111,25 @@ def test_parity_suite_fails_on_classic_ddp_bugs(own_project, bug, caught_by):
     assert code == 1 and failed, out[-6000:]
     for name in caught_by:
         assert any(f.endswith(f"::{name}") for f in failed), (name, failed)
+    # The summed loss is named before any run, with its fix, in each test's failure (the count probe's line).
+    summed = "SumLoss's loss of a batch is not the mean of its samples' losses: the global batch in 2 micro-batches"
+    assert (out.count(summed) >= len(caught_by)) == (bug == "SumLoss"), out[-6000:]
 
 
 def test_selected_tests_start_only_the_runs_they_read(own_project):
     """The bug sessions select 5 of the suite's tests (own_project.PARITY_SELECTED): the suite started their runs
     alone, the first wave's 3 (the user's model takes micro-batches: the reference is 4 of them; for BatchNorm,
     reversed batches) and the 5 one-step runs, and their 5 again from nudged states where the one-step check failed
-    (its second look), none of the others' 20 (torchrun, resumes, evaluation, SLURM...)."""
+    (its second look), none of the others' 20 (torchrun, resumes, evaluation, SLURM...). The summed loss, named
+    before any run, starts only the first wave, which the evaluation check reads (it compares no training)."""
     one_step = ["step-1dev-bf16", "step-1dev-fp32", "step-1dev-fp64", "step-2dev-bf16", "step-2dev-fp32"]
     for bug, (_, out, started) in own_project["bugs"].items():
+        steps = [] if bug == "SumLoss" else one_step
         reference = "1dev-reversed-fp64" if bug == "UnsyncedBatchNorm" else "1dev-acc4-fp64"
         failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
         looked_again = any("test_one_step_from_the_same_state" in line for line in failed)
-        second_look = [f"{run}-nudged" for run in one_step] if looked_again else []
-        assert started == sorted(["1dev-fp64", "2dev-fp64", reference, *one_step, *second_look]), (bug, started)
+        second_look = [f"{run}-nudged" for run in steps] if looked_again else []
+        assert started == sorted(["1dev-fp64", "2dev-fp64", reference, *steps, *second_look]), (bug, started)
 
 
 def test_gpu_check_dry_run_needs_nothing_beyond_the_projects_dev_install(own_project):

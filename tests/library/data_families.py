@@ -200,11 +200,21 @@ class UnseededShuffleData(TextData):
 class GlobalShuffleData(TextData):
     """TextData whose training sentences are shuffled by `random.shuffle`, Python's global stream, when the set is
     built: Lightning seeds that stream (seed_everything) in every process before `setup`, so every rank and run
-    builds the same order."""
+    builds the same order. It takes TextData's arguments as `**kwargs`, as many data modules do: the CLI (and so
+    `--data.micro_batch_size`) follows them to the parent.
+
+    Args:
+        shuffle: Shuffle the training sentences.
+    """
+
+    def __init__(self, shuffle: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shuffle = shuffle
 
     def train_dataset(self) -> Dataset:
         dataset = super().train_dataset()
-        random.shuffle(dataset.samples)
+        if self.shuffle:
+            random.shuffle(dataset.samples)
         return dataset
 
 
@@ -221,6 +231,15 @@ class MaskingCollateData(TextData):
 
     def loader_kwargs(self) -> dict:
         return super().loader_kwargs() | {"collate_fn": mask_tokens}
+
+
+class UnpackedLSTMClassifier(LSTMClassifier):
+    """LSTMClassifier with the LSTM run over the padded batch, unpacked, and the head on its state after the last
+    padded step: a sentence's output depends on how far its batch is padded (the classic bug the packing avoids)."""
+
+    def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
+        _, (state, _) = self.lstm(self.dropout(self.embedding(ids)))
+        return self.head(self.dropout(state[-1]))
 
 
 # --- A parameter that gets no gradient in training ------------------------------------------------------------------

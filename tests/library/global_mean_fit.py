@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ddpkit import GlobalBatchDataModule, gather_batch, global_mean
 from ddpkit.tune.lr_sweep import LRSweep
 from torch import nn
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 GLOBAL_BATCH, STEPS, TOKENS, FEATURES, CLASSES = 16, 4, 8, 6, 5
 PAD = -100
@@ -55,10 +55,46 @@ class Sequences(GlobalBatchDataModule):
         return dataset()
 
 
+class Trimmed(Dataset):
+    """dataset()'s sequences cut to their own length."""
+
+    def __init__(self) -> None:
+        self.padded = dataset()
+
+    def __len__(self) -> int:
+        return len(self.padded)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y, target = self.padded[i]
+        n = int((y != PAD).sum())
+        return x[:n], y[:n], target[:n]
+
+
+def pad_to_longest(samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of Trimmed sequences padded to its longest: features 0, labels PAD, targets 0 after each one's end."""
+    longest = max(len(y) for _, y, _ in samples)
+    x = torch.zeros(len(samples), longest, FEATURES, dtype=torch.float64)
+    y = torch.full((len(samples), longest), PAD)
+    target = torch.zeros(len(samples), longest, dtype=torch.float64)
+    for i, (xi, yi, ti) in enumerate(samples):
+        x[i, : len(yi)], y[i, : len(yi)], target[i, : len(yi)] = xi, yi, ti
+    return x, y, target
+
+
+class RaggedSequences(Sequences):
+    """Sequences of their own lengths, each batch padded to its longest (a rank's to its own)."""
+
+    def train_dataset(self) -> Dataset:
+        return Trimmed()
+
+    def loader_kwargs(self) -> dict:
+        return super().loader_kwargs() | {"collate_fn": pad_to_longest}
+
+
 class Tagger(L.LightningModule):
     """A linear tagger trained with one of the four losses (`loss`), divided by the step's global count (`count`
-    "global") or by the batch's own ("batch"); the contrastive one over the batch's own rows ("batch") or every
-    rank's ("gathered", "everywhere")."""
+    "global") or by the batch's own ("batch"), or not divided ("sum"); the contrastive one over the batch's own rows
+    ("batch") or every rank's ("gathered", "everywhere")."""
 
     def __init__(self, loss: str = "tokens", count: str = "batch") -> None:
         super().__init__()
@@ -85,7 +121,7 @@ class Tagger(L.LightningModule):
             mask = (y != PAD).to(logits.dtype)
             summed = ((logits[..., 0] - target) ** 2 * mask).sum()
             count = mask.sum()
-        loss = global_mean(summed, count, self) if self.count == "global" else summed / count
+        loss = global_mean(summed, count, self) if self.count == "global" else summed / count ** (self.count != "sum")
         self.log("train/loss", loss, sync_dist=True)
         return loss
 

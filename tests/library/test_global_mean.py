@@ -22,7 +22,8 @@ from ddpkit.testing.check_onestep import SPANS_HINT, step_cause
 from ddpkit.testing.configured import probe_training_step
 from ddpkit.testing.loss_probe import batch_mean_line
 from ddpkit.testing.runs import comparable, plan
-from global_mean_fit import FEATURES, Sequences, Tagger, loader
+from data_families import LSTMClassifier, TextData, UnpackedLSTMClassifier
+from global_mean_fit import FEATURES, RaggedSequences, Sequences, Tagger, loader
 from procs import TESTS, finish, start
 
 LOSSES = ["tokens", "weighted", "masked"]
@@ -106,6 +107,38 @@ def test_the_suite_names_a_per_batch_count_and_the_fix_before_any_run(loss):
     steps = plan({"steps_per_epoch": 4, "global_batch_size": 16, "takes_micro_batch_size": True, "batch_mean": written})
     with pytest.raises(pytest.fail.Exception, match="^Tagger's loss of a batch is not the mean"):
         comparable(steps)
+    # Summed, not divided at all: 2 micro-batches give half the whole batch's gradient, in the same direction (as
+    # Hugging Face's CTC models do by default). Mutation: the ratio not looked at (no line).
+    summed = batch_mean_line(Tagger(loss, "sum"), Sequences(global_batch_size=16))
+    assert summed.startswith(
+        "Tagger's loss of a batch is not the mean of its samples' losses: the global batch in 2 micro-batches gives "
+        "0.5 x the whole batch's gradient, in the same direction"
+    ), summed
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_count_over_batches_padded_to_their_longest_is_named_as_a_count(loss):
+    """The same losses over sequences of their own lengths, each batch padded to its longest: the count as usually
+    written still gets the count's line (the probe's split keeps both micro-batches padded as the whole batch), and
+    global_mean no line, the padding included (the tagger never sees it). Mutation: the padding looked at first (the
+    count named as padding)."""
+    written = batch_mean_line(Tagger(loss, "batch"), RaggedSequences(global_batch_size=16))
+    assert written.startswith("Tagger's loss of a batch is not the mean of its samples' losses: it divides by a count")
+    assert batch_mean_line(Tagger(loss, "global"), RaggedSequences(global_batch_size=16)) == ""
+
+
+def test_a_model_that_sees_its_batchs_padding_is_named_before_any_run():
+    """Sentences of 3 to 24 words padded to their batch's longest: the LSTM over the packed sentences gets no line
+    (its split batch agrees in any order), the same LSTM run over the padded batch gets the padding line, which the
+    probe finds by sorting the first global batch by size (in the sampler's order both micro-batches held a sentence
+    of the batch's longest length, padded alike, and the probe saw nothing). Mutation: no sorted look (no line)."""
+    packed = batch_mean_line(LSTMClassifier(dropout=0.0), TextData(global_batch_size=32))
+    assert packed == "", packed
+    unpacked = batch_mean_line(UnpackedLSTMClassifier(dropout=0.0), TextData(global_batch_size=32))
+    assert unpacked.startswith(
+        "UnpackedLSTMClassifier's loss of a sample changes with the length its batch is padded to (one float64 step"
+    ), unpacked
+    assert "the model must not see the padding" in unpacked and "`pack_padded_sequence`" in unpacked, unpacked
 
 
 class ScaledInFloat32(Tagger):

@@ -309,8 +309,13 @@ def test_compare_command_ends_runs_that_cannot_be_compared_with_one_error_line(t
         ({"noise_std": 0.1, "width": 8}, "PARITY_ARGS='--model.noise_std 0'"),
         ({"dropout": 0.1, "use_noise": True}, "PARITY_ARGS='--model.dropout 0 --model.use_noise false'"),
         ({"noise": "data", "dropout": 0.0}, "set --model.noise (now 'data') to the value that draws nothing"),
-        ({"width": 8, "drop_path": 0.0}, "none of the model's arguments is a dropout, noise or mixing rate that is"),
+        ({"width": 8, "drop_path": 0.0}, "none of the model's arguments is a dropout, noise, masking or mixing rate"),
         ({"mixup_alpha": 0.4, "cutmix_alpha": 0.0}, "PARITY_ARGS='--model.mixup_alpha 0'"),
+        # Hugging Face's speech models mask time steps at random in forward (SpecAugment), by a probability.
+        ({"layerdrop": 0.1, "mask_time_prob": 0.05, "mask_time_length": 10}, "layerdrop 0 --model.mask_time_prob 0'"),
+        ({"stochastic_depth_prob": 0.2, "apply_spec_augment": True}, "prob 0 --model.apply_spec_augment false'"),
+        ({"mask_ratio": 0.75}, "PARITY_ARGS='--model.mask_ratio 0'"),  # MAE's random masking
+        ({"problem_type": "regression"}, "none of the model's arguments"),  # Hugging Face's, not a probability
     ],
 )
 def test_random_step_message_names_the_real_switch(given, says):

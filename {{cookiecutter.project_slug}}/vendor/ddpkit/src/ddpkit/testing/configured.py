@@ -51,11 +51,11 @@ def _measure(args: list[str]) -> dict:
         "data": f"{type(data).__module__}.{type(data).__qualname__}",
         "global_batch_data": isinstance(data, GlobalBatchDataModule),
         # The accumulation runs set --data.micro_batch_size, which exists only if the class takes it.
-        "takes_micro_batch_size": "micro_batch_size" in inspect.signature(type(data).__init__).parameters,
+        "takes_micro_batch_size": "micro_batch_size" in init_arguments(cli.config["data"], data),
         # Sharding needs the module to shard its own layers (ModelParallelStrategy does not do it for it).
         "shards_layers": shards_in_configure_model(type(model)),
         # The schedule parity runs set --model.scheduler, which exists only if the model takes it.
-        "takes_scheduler": "scheduler" in inspect.signature(type(model).__init__).parameters,
+        "takes_scheduler": "scheduler" in init_arguments(cli.config["model"], model),
         # Lightning counts a manual-optimization module's optimizer.step() calls as its steps (several a batch).
         "manual_optimization": not model.automatic_optimization,
         # The stages the module defines a step for (`validate`, `test` and `predict` fail without one; Lightning's
@@ -145,9 +145,10 @@ def shards_in_configure_model(module: type) -> bool:
     return False
 
 
-# Init arguments whose name says they set a random draw's size (a dropout rate, a noise level, MixUp's or CutMix's
-# alpha, as timm's Mixup takes it: 0 switches it off).
-RATE_NAMES = re.compile(r"drop|noise|mix", re.IGNORECASE)
+# Init arguments whose name says they set a random draw's size or chance (a dropout rate, a noise level, MixUp's or
+# CutMix's alpha as timm's Mixup takes it, a masking probability as Hugging Face's speech models take it
+# (`mask_time_prob`), torchvision's `stochastic_depth_prob`, MAE's `mask_ratio`): 0 switches it off.
+RATE_NAMES = re.compile(r"drop|noise|mix|prob(?!lem)|stochastic|augment|mask_ratio", re.IGNORECASE)
 
 
 def probe_training_step(model, data, model_config, unused_ok: bool | None = None, strategy_config=None) -> dict:
@@ -198,6 +199,14 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
     # the global batch differs in micro-batches by design, and is compared on 1 and N devices without them.
     batch_mean = "" if random_step or unused or spans_global_batch(model) else batch_mean_line(model, data)
     return {"steps_per_batch": steps, "random_step": random_step, "unused_parameters": unused, "batch_mean": batch_mean}
+
+
+def init_arguments(section, instance) -> set[str]:
+    """The init arguments the CLI takes for a `model:` or `data:` section: the class's own and those its `**kwargs`
+    hands on to a parent (jsonargparse follows `super().__init__(**kwargs)`; the signature alone shows `kwargs`)."""
+    own = set(inspect.signature(type(instance).__init__).parameters)
+    parsed = section.get("init_args") if hasattr(section, "get") else None
+    return own | ({key.split(".")[0] for key in parsed.keys()} if parsed is not None else set())
 
 
 def seed_streams(seed: int) -> None:
@@ -277,8 +286,8 @@ def switch_off(given: dict) -> str:
     if others:
         return f"set {', '.join(others)} to the value that draws nothing, for the checks, in PARITY_ARGS"
     return (
-        "none of the model's arguments is a dropout, noise or mixing rate that is on: give the draw a switch and set "
-        "it off for the checks in PARITY_ARGS"
+        "none of the model's arguments is a dropout, noise, masking or mixing rate or probability that is on: give "
+        "the draw a switch and set it off for the checks in PARITY_ARGS"
     )
 
 

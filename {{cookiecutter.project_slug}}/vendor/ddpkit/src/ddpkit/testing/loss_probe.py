@@ -4,8 +4,8 @@ micro-batches. DDP averages the ranks' gradients and Lightning the micro-batches
 over samples trains on N devices what it trains on 1. A loss divided by a count its batch works out (non-padding
 tokens, a mask, class weights) gives the two steps gradients that differ in direction, not just size: then every
 comparison of the suite fails with one line that names the cause and the fix (runs.comparable). A loss summed over
-the batch halves the gradient in micro-batches without changing its direction; the weights and one-step checks
-name that by its numbers.
+the batch (Hugging Face's CTC models by default: `ctc_loss_reduction="sum"`) halves the gradient in 2 micro-batches
+without changing its direction: its own line, the same way.
 """
 
 import copy
@@ -15,6 +15,7 @@ import tempfile
 import lightning as L
 import torch
 
+from ..data.global_batch import GlobalBatchDataModule
 from ..lightning_internals import BatchNormBase
 from ..model.losses import MicroBatchesRefused
 from .float64 import Float64Throughout
@@ -47,12 +48,14 @@ class Gradients(NoDropout):
         self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
-def one_step(model, data, micro_batch_size: int | None) -> dict[str, torch.Tensor]:
+def one_step(model, data, micro_batch_size: int | None, order: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The gradient of the first global batch's optimizer step, float64, on 1 device, in micro-batches of
-    `micro_batch_size` (None: the whole batch)."""
+    `micro_batch_size` (None: the whole batch); the global batch `order`'s indices in that order where given."""
     torch.manual_seed(0)
     model, data = copy.deepcopy(model), copy.deepcopy(data)
     data.micro_batch_size = micro_batch_size
+    if order is not None:  # this copy's class, with the order: its sampler asks the class (global_batch.py)
+        data.__class__ = type(type(data).__name__, (type(data),), {"train_order": lambda self, seed, epoch: order})
     grads = Gradients()
     with tempfile.TemporaryDirectory() as root:
         probe_trainer(root, grads, max_steps=1).fit(model, datamodule=data)
@@ -97,26 +100,24 @@ def batch_mean_line(model, data) -> str:
     )
     if not splits:
         return ""
-    whole = one_step(model, data, None)
+    order = by_size(data)
     try:
-        halves = one_step(model, data, data.global_batch_size // 2)
+        split = split_step(model, data, padded_alike(order))
     except MicroBatchesRefused:
         return (
             f"{type(model).__name__}'s loss compares its rows with every rank's (ddpkit.gather_batch) but does not say "
             "so: set `loss_spans_global_batch = True` on the module, and micro-batches are refused and the suite "
             "compares 1 and N devices without them (the manual: vendor/ddpkit/docs/losses.md)"
         )
-    names = [n for n in whole if n in halves]
-    a = torch.cat([whole[n].flatten() for n in names])
-    b = torch.cat([halves[n].flatten() for n in names])
-    if not a.norm() > 0:
+    if split is None:
         return ""
     # The part of the micro-batches' gradient that is not a multiple of the whole batch's: a summed loss's halving
-    # is a multiple (left to the weights checks), a count's is not.
-    ratio, apart = multiple_of(a, b)
+    # is a multiple, a count's is not. A mean's is 1 x, within float64's rounding.
+    ratio, apart, worst = split
     if apart <= APART:
-        return ""
-    worst = max(names, key=lambda n: ((halves[n] - ratio * whole[n]).norm() / whole[n].norm().clamp_min(1e-300)).item())
+        if abs(ratio - 1) > APART:
+            return summed_line(model, ratio)
+        return padding_line(model, data, order)
     return (
         f"{type(model).__name__}'s loss of a batch is not the mean of its samples' losses: it divides by a count the "
         f"batch works out (tokens, a mask, class weights) or is a ratio over the batch (a Dice), so each rank and each "
@@ -128,4 +129,87 @@ def batch_mean_line(model, data) -> str:
         "SimCLR) must see every rank's rows, `ddpkit.gather_batch(z, self)` (open_clip's ClipLoss: "
         "gather_with_grad=True), and then declares it with `loss_spans_global_batch = True` on the module "
         "(the manual: vendor/ddpkit/docs/losses.md)"
+    )
+
+
+def summed_line(model, ratio: float) -> str:
+    """The line for a loss whose gradient in 2 micro-batches is `ratio` x the whole batch's, in the same direction."""
+    return (
+        f"{type(model).__name__}'s loss of a batch is not the mean of its samples' losses: the global batch in 2 "
+        f"micro-batches gives {ratio:.3g} x the whole batch's gradient, in the same direction (one float64 step on 1 "
+        "device from the same weights), as a loss summed over the batch does, so N devices would train with 1/N of 1 "
+        "device's gradient (DDP and the micro-batches average theirs): return the mean over the batch's samples "
+        '(`reduction="mean"`; Hugging Face\'s CTC models: `ctc_loss_reduction="mean"`), or '
+        "`ddpkit.global_mean(loss_sum, count, self)` for a mean over a count the batch works out (the manual: "
+        "vendor/ddpkit/docs/losses.md)"
+    )
+
+
+def split_step(model, data, order: list[int] | None = None) -> tuple[float, float, str] | None:
+    """The first global batch's gradient in 2 micro-batches as a multiple of the whole batch's (multiple_of), and the
+    tensor most apart; None where the step gives no gradient."""
+    whole = one_step(model, data, None, order)
+    halves = one_step(model, data, data.global_batch_size // 2, order)
+    names = [n for n in whole if n in halves]
+    a = torch.cat([whole[n].flatten() for n in names])
+    b = torch.cat([halves[n].flatten() for n in names])
+    if not a.norm() > 0:
+        return None
+    ratio, apart = multiple_of(a, b)
+    worst = max(names, key=lambda n: (halves[n] - ratio * whole[n]).norm().item())  # where most of the rest lies
+    return ratio, apart, worst
+
+
+def sample_size(sample) -> int:
+    """The numbers a sample holds: its tensors' and arrays' elements, in any nesting of tuples, lists and dicts."""
+    if isinstance(sample, dict):
+        return sum(sample_size(v) for v in sample.values())
+    if isinstance(sample, list | tuple):
+        return sum(sample_size(v) for v in sample)
+    return int(getattr(sample, "size", 0) if not isinstance(sample, torch.Tensor) else sample.numel())
+
+
+def by_size(data) -> list[int] | None:
+    """The first global batch's indices, its largest samples first; None where they are all of one size, or the
+    training set is not a map-style dataset of a GlobalBatchDataModule."""
+    if not isinstance(data, GlobalBatchDataModule):
+        return None
+    if data.train_set is None:
+        data = copy.deepcopy(data)
+        data.setup("fit")
+    first = data.train_sampler().global_order()[0].tolist()
+    sizes = [sample_size(data.train_set[i]) for i in first]
+    if len(set(sizes)) < 2:
+        return None
+    return [i for _, i in sorted(zip(sizes, first, strict=True), key=lambda pair: -pair[0])]
+
+
+def padded_alike(order: list[int] | None) -> list[int] | None:
+    """A global batch of `order`'s samples (largest first) whose 2 micro-batches each begin with the largest, so that
+    each is padded to the length the whole batch is: the larger half of the others in the first, the smaller in the
+    second (a count the loss divides by then differs between them; the smallest is left out for the largest's second
+    place). Only the loss's arithmetic can tell this split from the whole batch."""
+    if order is None:
+        return None
+    half = len(order) // 2
+    return [*order[:half], order[0], *order[half:-1]]
+
+
+def padding_line(model, data, order: list[int] | None) -> str:
+    """ "" unless a sample's gradient changes with the length its batch is padded to: the first global batch sorted by
+    size (`order`), its largest samples in one micro-batch and its smallest in the other (padded shorter), against
+    the whole batch; not looked at where its samples are all of one size (None)."""
+    split = split_step(model, data, order) if order is not None else None
+    if split is None or split[1] <= APART:
+        return ""
+    _, apart, worst = split
+    return (
+        f"{type(model).__name__}'s loss of a sample changes with the length its batch is padded to (one float64 step "
+        f"on 1 device from the same weights: the first global batch sorted by size, its longest samples in one "
+        f"micro-batch and its shortest, padded shorter, in the other, gives a gradient {apart:.2g} of the whole "
+        f"batch's apart in direction, most in {worst}), and a rank pads its share to its own longest sample, so N "
+        "devices cannot train 1 device's weights: the model must not see the padding: give it the attention mask "
+        "(Hugging Face's `attention_mask`), pack an RNN's sequences (`pack_padded_sequence`), leave the padded steps "
+        "out of means, pools and norms over time (a model without a mask, as wav2vec2-base's GroupNorm feature "
+        "encoder, needs samples of one length) (the manual: vendor/ddpkit/docs/your-model.md, step 1)"
     )
