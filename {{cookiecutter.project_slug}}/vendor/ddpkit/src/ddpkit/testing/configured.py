@@ -147,8 +147,10 @@ def shards_in_configure_model(module: type) -> bool:
 
 # Init arguments whose name says they set a random draw's size or chance (a dropout rate, a noise level, MixUp's or
 # CutMix's alpha as timm's Mixup takes it, a masking probability as Hugging Face's speech models take it
-# (`mask_time_prob`), torchvision's `stochastic_depth_prob`, MAE's `mask_ratio`): 0 switches it off.
-RATE_NAMES = re.compile(r"drop|noise|mix|prob(?!lem)|stochastic|augment|mask_ratio", re.IGNORECASE)
+# (`mask_time_prob`), torchvision's `stochastic_depth_prob`): 0 switches it off. Not MAE's `mask_ratio`: its loss is
+# over the masked patches, and 0 masks none (Hugging Face's ViTMAE then divides by 0); its draw belongs in the data
+# set, per sample (ViTMAE's forward takes the `noise`).
+RATE_NAMES = re.compile(r"drop|noise|mix|prob(?!lem)|stochastic|augment", re.IGNORECASE)
 
 
 def probe_training_step(model, data, model_config, unused_ok: bool | None = None, strategy_config=None) -> dict:

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from ..data.global_batch import GlobalBatchDataModule
+from ..data.sampling import GlobalBatchSampler
 from ..lightning_internals import BatchNormBase
 from ..model.losses import MicroBatchesRefused
 from .float64 import Float64Throughout
@@ -166,18 +167,24 @@ def sample_size(sample) -> int:
         return sum(sample_size(v) for v in sample.values())
     if isinstance(sample, list | tuple):
         return sum(sample_size(v) for v in sample)
-    return int(getattr(sample, "size", 0) if not isinstance(sample, torch.Tensor) else sample.numel())
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    size = getattr(sample, "size", 0)  # a NumPy array's; a PIL image's is its (width, height): not counted
+    return size if isinstance(size, int) else 0
 
 
 def by_size(data) -> list[int] | None:
     """The first global batch's indices, its largest samples first; None where they are all of one size, or the
-    training set is not a map-style dataset of a GlobalBatchDataModule."""
+    training set is not a map-style dataset sampled by a GlobalBatchSampler."""
     if not isinstance(data, GlobalBatchDataModule):
         return None
     if data.train_set is None:
         data = copy.deepcopy(data)
         data.setup("fit")
-    first = data.train_sampler().global_order()[0].tolist()
+    sampler = data.train_sampler()
+    if not isinstance(sampler, GlobalBatchSampler):  # a stream's: it takes no `train_order`
+        return None
+    first = sampler.global_order()[0].tolist()
     sizes = [sample_size(data.train_set[i]) for i in first]
     if len(set(sizes)) < 2:
         return None
