@@ -121,7 +121,12 @@ class Tagger(L.LightningModule):
             mask = (y != PAD).to(logits.dtype)
             summed = ((logits[..., 0] - target) ** 2 * mask).sum()
             count = mask.sum()
-        loss = global_mean(summed, count, self) if self.count == "global" else summed / count ** (self.count != "sum")
+        if self.count == "global":
+            loss = global_mean(summed, count, self)
+        elif self.count == "sum":
+            loss = summed
+        else:
+            loss = summed / count
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
