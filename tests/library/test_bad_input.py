@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.cli import OptimizerCallable
 from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
 from streams import PlainStream
 
 from ddpkit.run import checks
-from ddpkit.run.checks import carried_init_args, given_keys
 from ddpkit.run.cli import (
     BadInput,
     check_checkpoint,
@@ -24,8 +24,10 @@ from ddpkit.run.cli import (
     plain_datamodule_warning,
     resolve_ckpt_path,
 )
+from ddpkit.run.init_args import carried_init_args, given_keys
 from ddpkit.scaling.sweeper import SWEEP_MARKER
 from ddpkit.testing.toy import PlainToyData, ToyClassifier
+from ddpkit.testing.toy import main as toy_main
 
 # Runs at start-up on rank 1 only if a launcher starts it (LOCAL_RANK=1): leaves a file that proves a rank
 # was spawned. Then procs.FAKE_CUDA fakes the GPUs a case asks for (FAKE_CUDA_DEVICES).
@@ -152,6 +154,45 @@ def test_bad_input_fails_fast_with_one_line(outcomes, name):
     assert len(errors) == 1 and CASES[name][1] in errors[0], out[-3000:]
     assert not spawned and written == []
     assert "code from the checkpoint ran" not in out
+
+
+class TakesOptimizer(ToyClassifier):
+    """The toy classifier taking its optimizer as an argument, as LightningCLI's docs write it."""
+
+    def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.optimizer = optimizer
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters())
+
+
+class HandsItOn(TakesOptimizer):
+    """A subclass that takes its parent's arguments, the optimizer among them, as `**kwargs`."""
+
+    def __init__(self, extra: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+
+
+@pytest.mark.parametrize("model", ["TakesOptimizer", "HandsItOn", "ToyClassifier"])
+def test_lightnings_optimizer_flag_is_refused_where_the_model_takes_an_optimizer(capsys, model):
+    """`--optimizer SGD` would replace the model's configure_optimizers and drop its own optimizer: refused with one
+    line for a model that takes one, also through `**kwargs`; a model that takes none gets LightningCLI's SGD.
+    Mutation: the model's signature alone asked (HandsItOn's shows `kwargs`): it trains with SGD, silently."""
+    path = "ddpkit.testing.toy.ToyClassifier" if model == "ToyClassifier" else f"test_bad_input.{model}"
+    args = ["--model", path, "--optimizer", "torch.optim.SGD", "--trainer.logger", "false"]
+    if model == "ToyClassifier":
+        cli = toy_main(args, run=False)
+        assert isinstance(cli.model.configure_optimizers(), torch.optim.SGD)
+        return
+    with pytest.raises(SystemExit) as stop:
+        toy_main(args, run=False)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and errors == [
+        f"error: --optimizer would replace {model}.configure_optimizers: this model takes its optimizer and schedule "
+        f"as arguments, so use --model.optimizer CLASS (--model.optimizer.lr ...) and --model.scheduler CLASS; see "
+        f"python main.py fit --model.help {model}."
+    ]
 
 
 def test_checkpoint_arguments_that_replace_given_ones_are_warned(tmp_path, capsys):

@@ -3,7 +3,7 @@ one line that says what to change, not a failure after ranks start or files are 
 
 - Right after parsing, before any model, rank or file exists: `match_torchrun`, `check_config` (GPUs asked vs
   visible, the global batch over the processes, `check_checkpoint`, sharding on CPU before torch 2.6),
-  `warn_carried_init_args` (a class switch that keeps config.yaml's values).
+  `init_args.warn_carried_init_args` (a class switch that keeps config.yaml's values).
 - Once the model and the data module are built, still before any rank starts: `check_optimizer_flags`,
   `check_micro_batches`, `check_state_dict_fits`, `plain_datamodule_warning`.
 - Once fit has built the training loaders, before the first step: `IterableDataCheck` (`iterable_data_warning`).
@@ -12,16 +12,12 @@ A refusal raises `BadInput` (as `ckpt_paths.resolve_ckpt_path` does); the CLI pr
 line and exits with status 2.
 """
 
-import importlib
-import inspect
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import IterableDataset
@@ -31,9 +27,8 @@ from ..data.global_batch import GlobalBatchDataModule
 from ..model.losses import spans_global_batch
 from ..model.sharding import shards_on_cpu
 from .checkpoints import VERSION_KEY
+from .init_args import init_arguments
 from .processes import rank_label
-
-SECTIONS = ("model", "data")
 
 # `--ckpt_path` values that name a checkpoint Lightning finds itself rather than a file (SLURM requeue's).
 LIGHTNING_CKPT_PATHS = {"hpc"}
@@ -179,89 +174,15 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
         )
 
 
-def warn_carried_init_args(config: Any, argv: list[str], default_config: Path) -> None:
-    """One warning line per section whose class a `--config` or `--model`/`--data` changed while arguments of the
-    same name kept the default config's values (`carried_init_args`)."""
-    try:
-        defaults = yaml.safe_load(default_config.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return
-    for section in SECTIONS:
-        final, default = config.get(section), defaults.get(section)
-        if not isinstance(default, dict) or not hasattr(final, "get"):
-            continue
-        final = final.as_dict() if hasattr(final, "as_dict") else dict(final)
-        line = carried_init_args(section, final, default, given_keys(argv, section), default_config.name)
-        if line:
-            sys.stderr.write(line + "\n")
-
-
-def given_keys(argv: list[str], section: str) -> set[str]:
-    """The init arguments of `section` that the command line names itself: `--data.x`, `--data.init_args.x`, or a key
-    of `section` in a `--config` file."""
-    keys, configs = set(), []
-    for i, arg in enumerate(argv):
-        name = arg.split("=", 1)[0]
-        if name == "--config":
-            configs.append(arg.split("=", 1)[1] if "=" in arg else argv[i + 1] if i + 1 < len(argv) else "")
-        elif match := re.fullmatch(rf"--{section}\.(?:init_args\.)?(\w+)", name):
-            keys.add(match[1])
-    for path in filter(None, configs):
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue  # the parser has reported it already
-        part = loaded.get(section) if isinstance(loaded, dict) else None
-        if isinstance(part, dict):
-            keys |= set(part.get("init_args") or {}) | (set(part) - {"class_path", "init_args", "dict_kwargs"})
-    return keys
-
-
-def class_defaults(class_path: str) -> dict[str, Any] | None:
-    """The defaults of a class's init arguments, or None when it cannot be imported here."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
-    parameters = inspect.signature(cls).parameters.values()
-    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-
-
-def carried_init_args(section: str, final: dict, default: dict, given: set[str], default_file: str) -> str | None:
-    """A warning when `--config`/`--model`/`--data` switched `section` to another class than `default_file`'s and
-    arguments of the same name kept that file's values (jsonargparse carries init arguments across a class switch):
-    those not given for the new class that differ from its own defaults. `final` and `default` are the section's
-    `{class_path, init_args}` after parsing and in the default file."""
-    new, old = final.get("class_path"), default.get("class_path")
-    if not new or not old or new == old or new.rpartition(".")[2] == old:
-        return None
-    defaults = class_defaults(new)
-    if defaults is None:
-        return None
-    carried = {
-        key: value
-        for key, value in (final.get("init_args") or {}).items()
-        if key not in given and key in defaults and value != defaults[key]
-    }
-    if not carried:
-        return None
-    values = ", ".join(f"{k}={v!r} (its default: {defaults[k]!r})" for k, v in carried.items())
-    return (
-        f"warning: --{section} {new} keeps {values} from {old} in {default_file}: arguments of the same name carry "
-        f"over when the class changes. Give them for {new.rpartition('.')[2]} in your config, or point "
-        f"{default_file} itself at it."
-    )
-
-
 # --- once the model and the data module exist, before any rank starts -----------------------------------------
 
 
 def check_optimizer_flags(config: Any, model: Any) -> None:
     """LightningCLI's `--optimizer`/`--lr_scheduler` replace the module's `configure_optimizers`; a module that
-    takes its optimizer and schedule as arguments would silently lose them (and its parameter groups)."""
+    takes its optimizer and schedule as arguments would silently lose them (and its parameter groups), also where
+    it takes them through `**kwargs` from a parent class."""
     given = [flag for flag in ("optimizer", "lr_scheduler") if config.get(flag)]
-    takes = inspect.signature(type(model).__init__).parameters.keys() & {"optimizer", "scheduler"}
+    takes = init_arguments(config.get("model"), model) & {"optimizer", "scheduler"}
     if given and takes:
         raise BadInput(
             f"--{given[0]} would replace {type(model).__name__}.configure_optimizers: this model takes its "

@@ -5,7 +5,7 @@ parsing: before any model is built, any rank process is started or any file is
 written. A failure prints one `error:` line that says what to change and exits
 with status 2, like an unknown flag does.
 
-The checks are in `checks.py`, what `--ckpt_path last/best/auto` name in
+The checks are in `checks.py` (and `init_args.py`), what `--ckpt_path last/best/auto` name in
 `ckpt_paths.py`, where the loggers write in `logdirs.py`; this module wires
 them into LightningCLI's steps.
 """
@@ -48,10 +48,10 @@ from .checks import (
     check_state_dict_fits,
     match_torchrun,
     plain_datamodule_warning,
-    warn_carried_init_args,
 )
 from .ckpt_paths import resolve_ckpt_path
 from .hang import FLIGHT_RECORDER_ENV, HangDump, collect, is_collective_timeout
+from .init_args import warn_carried_init_args
 from .logdirs import RunConfigSaver, logger_init_args, place_loggers, requeued_run
 from .predictions import PredictionWriter
 from .processes import (

@@ -25,6 +25,7 @@ from ..data.draws import batch_draws, own_draws
 from ..data.sampling import replaced_sampler
 from ..lightning_internals import BatchNormBase, ddp_kwargs
 from ..model.losses import spans_global_batch
+from ..run.init_args import init_arguments
 from .helpers import project, run_main
 from .loss_probe import batch_mean_line, probe_trainer
 from .parity_probe import NoDropout, sample_keys
@@ -201,14 +202,6 @@ def probe_training_step(model, data, model_config, unused_ok: bool | None = None
     # the global batch differs in micro-batches by design, and is compared on 1 and N devices without them.
     batch_mean = "" if random_step or unused or spans_global_batch(model) else batch_mean_line(model, data)
     return {"steps_per_batch": steps, "random_step": random_step, "unused_parameters": unused, "batch_mean": batch_mean}
-
-
-def init_arguments(section, instance) -> set[str]:
-    """The init arguments the CLI takes for a `model:` or `data:` section: the class's own and those its `**kwargs`
-    hands on to a parent (jsonargparse follows `super().__init__(**kwargs)`; the signature alone shows `kwargs`)."""
-    own = set(inspect.signature(type(instance).__init__).parameters)
-    parsed = section.get("init_args") if hasattr(section, "get") else None
-    return own | ({key.split(".")[0] for key in parsed.keys()} if parsed is not None else set())
 
 
 def seed_streams(seed: int) -> None:
