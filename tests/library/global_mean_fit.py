@@ -11,6 +11,9 @@ NAME is LOSS-COUNT-ACCUMULATION, e.g. tokens-global-2:
   batch the step is given: the loss as usually written, which divides by each rank's, each micro-batch's count); for
   `contrastive`: `batch` (each rank's own rows, as usually written), `gathered` (each rank's rows against every
   rank's, ddpkit.gather_batch) or `everywhere` (the global batch's loss on every rank, open_clip's local_loss=False);
+  for `router` (a cross-entropy of each sequence's first token plus a mixture of experts' load-balancing loss over
+  every non-padding token's router logits): `batch` (the balance of the batch the step is given, as Hugging Face's
+  MoE models compute it, who then hold `config.output_router_logits`) or `global` (ddpkit.router_balance_loss);
 - ACCUMULATION: micro-batches per optimizer step.
 Each fit: float64, 4 optimizer steps of a global batch of 16 sequences, SGD, gradient clipping at norm 0.8 and the
 learning-rate finder's sweep (ddpkit.tune.lr_sweep.LRSweep, lr 0.1 to 1). The gradient's norm is 0.3 to 1.4 (0.33 to
@@ -21,16 +24,17 @@ that saw one change the weights; the sweep records what it takes for the step's 
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from ddpkit import GlobalBatchDataModule, gather_batch, global_mean
+from ddpkit import GlobalBatchDataModule, gather_batch, global_mean, router_balance_loss
 from ddpkit.tune.lr_sweep import LRSweep
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-GLOBAL_BATCH, STEPS, TOKENS, FEATURES, CLASSES = 16, 4, 8, 6, 5
+GLOBAL_BATCH, STEPS, TOKENS, FEATURES, CLASSES, EXPERTS, TOP_K = 16, 4, 8, 6, 5, 4, 2
 PAD = -100
 CLASS_WEIGHTS = torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0], dtype=torch.float64)
 
@@ -101,11 +105,15 @@ class Tagger(L.LightningModule):
         torch.manual_seed(0)
         self.layer = nn.Linear(FEATURES, CLASSES, dtype=torch.float64)
         self.loss, self.count = loss, count
+        if loss == "router":  # only here: DDP stops at a parameter that gets no gradient
+            self.router = nn.Linear(FEATURES, EXPERTS, dtype=torch.float64)
+        if loss == "router" and count == "batch":  # what the suite reads of a Hugging Face MoE model
+            self.config = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.5)
 
     def training_step(self, batch, batch_idx):
         x, y, target = batch
-        if self.loss == "contrastive":
-            loss = self.contrastive(x)
+        if self.loss in ("contrastive", "router"):
+            loss = self.contrastive(x) if self.loss == "contrastive" else self.routed(x, y)
             self.log("train/loss", loss, sync_dist=True)
             return loss
         logits = self.layer(x)  # (B, T, C)
@@ -140,8 +148,31 @@ class Tagger(L.LightningModule):
             return matched(every_a, every_b, every_a, every_b, torch.arange(len(every_a)))
         return matched(a, b, every_a, every_b, torch.arange(len(a)) + self.global_rank * len(a))
 
+    def routed(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        main = F.cross_entropy(self.layer(x[:, 0]), y[:, 0])  # a mean over sequences: the same on any devices
+        # Two layers' router logits for the same tokens, as a model of 2 MoE blocks gives them.
+        layers, mask = (self.router(x).flatten(0, 1), self.router(torch.tanh(x)).flatten(0, 1)), (y != PAD).flatten()
+        if self.count == "global":
+            return main + 0.5 * router_balance_loss(layers, TOP_K, self, mask)
+        return main + 0.5 * balance_of_batch(layers, mask)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def balance_of_batch(layers: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+    """The load-balancing loss over one batch's non-padding tokens, as transformers 5.25's
+    `load_balancing_loss_func` computes it: experts x sum over experts of (top-k choices of it / tokens) x (its summed
+    router probability / tokens), both summed over the layers."""
+    chosen = torch.zeros(EXPERTS, dtype=torch.float64)
+    summed = torch.zeros(EXPERTS, dtype=torch.float64)
+    tokens = 0
+    for logits in layers:
+        p = torch.softmax(logits, dim=-1)[mask]
+        for choice in p.topk(TOP_K, dim=-1).indices.flatten().tolist():
+            chosen[choice] += 1
+        summed, tokens = summed + p.sum(0), tokens + len(p)
+    return EXPERTS * (chosen / tokens * summed / tokens).sum()
 
 
 def matched(a, b, every_a, every_b, mine) -> torch.Tensor:
@@ -189,7 +220,7 @@ def fit(out: Path, devices: int, name: str) -> None:
     trainer.fit(module, train_dataloaders=loader(devices, int(os.environ.get("LOCAL_RANK", "0")), int(accumulate)))
     if trainer.is_global_zero:
         torch.save(
-            {"weights": module.layer.state_dict(), "logged": record.logged, "swept": sweep.losses},
+            {"weights": module.state_dict(), "logged": record.logged, "swept": sweep.losses},
             out / f"{devices}dev-{name}.pt",
         )
 

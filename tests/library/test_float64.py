@@ -168,3 +168,45 @@ def test_every_float64_command_of_the_suite_carries_the_callback():
     }
     for name, cmd in commands.items():
         assert suite_commands.FLOAT64_THROUGHOUT in cmd, name
+
+
+class Experts(nn.Module):
+    """A mixture of experts' expert layer as transformers 5 writes it (`grouped_mm` experts): the tokens sorted by
+    expert, one grouped matrix product over every expert's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 8, 4, dtype=torch.float64))
+
+    def forward(self, x: Tensor, ends: Tensor) -> Tensor:
+        return torch._grouped_mm(x, self.weight, offs=ends)
+
+
+def test_a_grouped_product_with_no_float64_kernel_computes_in_float64_and_is_recorded():
+    """torch._grouped_mm has no float64 kernel (it raises on float64, which stopped a Hugging Face Mixtral's first
+    float64 run); under the mode it gives each token's product with its expert's weight in float64, and the
+    gradients, within float64's rounding, what torch's float32 kernel gives within float32's, rows past the last
+    group 0; recorded under the module. Expert 1 gets no token. Mutations: the kernel not intercepted (the float64
+    error), a group's rows shifted by one (6e-1 apart)."""
+    if not hasattr(torch, "_grouped_mm"):  # torch < 2.8: no grouped product for a model to call, nothing to keep
+        return
+    torch.manual_seed(0)
+    experts, x, ends = Experts(), torch.randn(10, 8, dtype=torch.float64, requires_grad=True), torch.tensor([3, 3, 9])
+    with pytest.raises(RuntimeError, match="got Double"):
+        experts(x, ends.int())
+    with KeepFloat64() as mode:
+        out = experts(x, ends.int())
+    group = [0, 0, 0, 2, 2, 2, 2, 2, 2]
+    each = torch.stack([x[t] @ experts.weight[g] for t, g in enumerate(group)])
+    assert out.dtype == torch.float64 and (out[:9] - each).abs().max() <= 1e-12 * each.abs().max()
+    assert torch.equal(out[9], torch.zeros(4, dtype=torch.float64))
+    float32 = torch._grouped_mm(x.detach().float(), experts.weight.detach().float(), offs=ends.int())
+    assert (out[:9] - float32[:9]).abs().max() <= 1e-5 * each.abs().max()
+    got = torch.autograd.grad(out[:9].pow(2).sum(), (x, experts.weight))
+    want = torch.autograd.grad(each.pow(2).sum(), (x, experts.weight))
+    assert all((g - w).abs().max() <= 1e-12 * w.abs().max() for g, w in zip(got, want, strict=True))
+    assert mode.casts == {"Experts": {"_grouped_mm": 1}}
+    assert summary(mode.casts) == [
+        "Experts calls torch._grouped_mm, which has no float64 kernel: the suite's float64 runs compute it in float64, "
+        "one matrix product per group (Float64Throughout)"
+    ]

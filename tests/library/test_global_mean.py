@@ -43,6 +43,7 @@ def fits(tmp_path_factory) -> dict[str, dict]:
     two = [f"{loss}-{variant}" for loss in LOSSES for variant in ("global-2", "batch-1")]
     one += ["contrastive-batch-1", "contrastive-batch-4"]
     two += [f"contrastive-{count}-1" for count in ("gathered", "everywhere", "batch")]
+    one, two = [*one, "router-batch-1"], [*two, "router-global-1", "router-batch-1"]
     script = str(TESTS / "global_mean_fit.py")
     procs = [
         start([sys.executable, script, str(out), str(n), *names], out, {"OMP_NUM_THREADS": "1"})
@@ -203,6 +204,20 @@ def test_a_contrastive_loss_over_gathered_rows_trains_1_devices_weights_on_2_pro
     assert relative(fits["1dev-contrastive-batch-4"]["weights"], reference["weights"]) > WRONG
 
 
+def test_a_routers_balance_over_the_global_batch_trains_1_devices_weights_on_2_processes(fits):
+    """A mixture of experts' load-balancing loss (two layers' router logits, padding left out) from
+    ddpkit.router_balance_loss trains on 2 processes, whose ranks hold different numbers of tokens, the weights of 1
+    device given the whole global batch with Hugging Face's formula, and logs its loss; the formula over each rank's
+    own tokens, as Hugging Face's models compute it, trains other weights. Mutations: no all-reduce of the shares
+    (each rank's own), the ranks' probabilities over their own token count (measured 2026-12-08: 0.39 and 0.0067 of
+    the reference apart; the per-rank formula 0.050)."""
+    reference = fits["1dev-router-batch-1"]
+    balanced = fits["2dev-router-global-1"]
+    assert relative(balanced["weights"], reference["weights"]) <= EXACT
+    assert relative_values(balanced["logged"], reference["logged"]) <= EXACT
+    assert relative(fits["2dev-router-batch-1"]["weights"], reference["weights"]) > WRONG
+
+
 class Declared(Tagger):
     """Tagger whose contrastive loss over gathered rows is declared to span the global batch."""
 
@@ -220,7 +235,7 @@ def test_a_loss_over_the_global_batch_is_named_until_declared_then_compared_with
     assert written.startswith("Tagger's loss of a batch is not the mean of its samples' losses")
     assert "`ddpkit.gather_batch(z, self)`" in written and "`loss_spans_global_batch = True`" in written
     gathers = batch_mean_line(Tagger("contrastive", "gathered"), data)
-    assert gathers.startswith("Tagger's loss compares its rows with every rank's (ddpkit.gather_batch) but does not")
+    assert gathers.startswith("Tagger's loss reads every rank's batch (ddpkit.gather_batch) but does not say so")
     probed = probe_training_step(Declared("contrastive", "gathered"), data, {})
     assert probed["batch_mean"] == "" and probed["random_step"] == ""
     facts = {"steps_per_epoch": 4, "global_batch_size": 16, "takes_micro_batch_size": True}
@@ -230,6 +245,24 @@ def test_a_loss_over_the_global_batch_is_named_until_declared_then_compared_with
     check_micro_batches(Tagger("contrastive", "gathered"), Sequences(global_batch_size=16, micro_batch_size=4), 2)
     with pytest.raises(BadInput, match=r"into 2 micro-batches, but Declared's loss spans the global batch"):
         check_micro_batches(Declared("contrastive", "gathered"), Sequences(global_batch_size=16, micro_batch_size=4), 2)
+
+
+def test_a_routers_balance_per_batch_is_named_with_both_fixes_and_the_global_one_once_declared_is_compared():
+    """A Hugging Face-style model whose loss adds the routers' balance over its own batch (its config's
+    output_router_logits and router_aux_loss_coef) gets the router's line, with router_balance_loss and PARITY_ARGS;
+    router_balance_loss undeclared gets the declaration's line; declared, no line. Mutation: router_aux not asked (the
+    count's line, whose global_mean cannot fix a product of means)."""
+    data = Sequences(global_batch_size=16)
+    written = batch_mean_line(Tagger("router", "batch"), data)
+    assert written.startswith(
+        "Tagger's loss adds Tagger's router load-balancing loss (output_router_logits=True, router_aux_loss_coef=0.5), "
+        "which multiplies two means over the batch's tokens"
+    ), written
+    assert "`coef * ddpkit.router_balance_loss(out.router_logits, top_k, self, attention_mask)`" in written
+    assert "set router_aux_loss_coef to 0 for the checks in PARITY_ARGS" in written
+    undeclared = batch_mean_line(Tagger("router", "global"), data)
+    assert undeclared.startswith("Tagger's loss reads every rank's batch (ddpkit.router_balance_loss) but does not")
+    assert probe_training_step(Declared("router", "global"), data, {})["batch_mean"] == ""
 
 
 def test_gather_batch_refuses_micro_batches(tmp_path):
@@ -261,5 +294,13 @@ def test_a_failed_one_step_check_is_headed_by_the_gradients_scale_or_the_declare
     turned = steps_of([1.0, 2.0, 3.0], [1.0, 2.0, 3.2], [3.0, 1.2, 2.0])
     assert step_cause(one, turned, exact, {}) == ""
     assert step_cause(one, turned, exact, {"spans_batch": True}) == SPANS_HINT
+    # Declared, with a Hugging Face MoE that still balances each rank's tokens (configured.py's router_aux, through
+    # the plan): that.
+    aux = "MixtralForCausalLM's router load-balancing loss (output_router_logits=True, router_aux_loss_coef=0.02)"
+    facts = {"steps_per_epoch": 4, "global_batch_size": 16, "takes_micro_batch_size": True, "spans_batch": True}
+    assert step_cause(one, turned, exact, plan({**facts, "router_aux": aux})).startswith(
+        "The module declares a loss over the global batch (loss_spans_global_batch) and 2 devices' step differs from "
+        f"1 device's: its model still adds {aux}, over each rank's own tokens; set router_aux_loss_coef=0"
+    )
     overflowed = steps_of([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [3e30, 1.0, 2.0])
     assert step_cause(overflowed, halved, exact, {}).startswith("2 devices' gradient is 0.5 x")

@@ -6,7 +6,8 @@ A project's own code meets it through a few public names: its data module subcla
 its training set may mix samples with `MixSamples` (MixUp, CutMix), its `configure_optimizers` may return
 `optimization(...)`, it may log a loss with `Mean` (a weighted mean over
 the ranks), its `configure_model` may call `compile_layers` and `shard_layers`, and its `training_step` may
-divide a loss by the global batch's count (`global_mean`) or compare samples with every rank's (`gather_batch`).
+divide a loss by the global batch's count (`global_mean`), compare samples with every rank's (`gather_batch`), or
+balance a mixture of experts' routers over the global batch (`router_balance_loss`).
 `main.py` runs `ddpkit.run.cli.main`; `tests/` runs `ddpkit.testing`.
 
 The modules live in one subpackage per concern (docs/design.md draws them): `data` (what a fit reads), `model`
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 # The one place the version is written: hatchling reads it for the package ([tool.hatch.version]); a run
 # records it in its checkpoints, its logged hyperparameters and the doctor's report.
-__version__ = "0.14.2"
+__version__ = "0.15.0"
 
 # The public names, imported on first use (PEP 562): `python -m ddpkit.scaling` (the sweep's driver, --explain)
 # needs neither torch nor Lightning, and importing them for every `python -m ddpkit.<tool>` cost ~3 s of start-up.
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # what editors and type checkers read
     from .data.mixing import MixSamples
     from .data.streaming import StreamingDataModule
     from .model.compiling import compile_layers
-    from .model.losses import gather_batch, global_mean
+    from .model.losses import gather_batch, global_mean, router_balance_loss
     from .model.metrics import Mean
     from .model.schedules import WarmupCosine, optimization
     from .model.sharding import shard_layers
@@ -43,6 +44,7 @@ _HOMES = {
     "GlobalBatchDataModule": "data.global_batch",
     "gather_batch": "model.losses",
     "global_mean": "model.losses",
+    "router_balance_loss": "model.losses",
     "Mean": "model.metrics",
     "MixSamples": "data.mixing",
     "WarmupCosine": "model.schedules",
@@ -62,6 +64,7 @@ __all__ = [
     "gather_batch",
     "global_mean",
     "optimization",
+    "router_balance_loss",
     "shard_layers",
 ]
 

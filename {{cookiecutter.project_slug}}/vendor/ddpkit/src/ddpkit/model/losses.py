@@ -20,7 +20,13 @@ batch's own mean.
 A loss that compares each sample with the batch's others (contrastive: CLIP, SimCLR) has no count to share: each rank
 must see the whole global batch's rows. `gather_batch` gives them, with their gradients, and a module whose loss needs
 them says so with `loss_spans_global_batch = True`: micro-batches are then refused (a micro-batch sees only its own
-rows) and the guarantee suite compares 1 and N devices without them. The manual: vendor/ddpkit/docs/losses.md.
+rows) and the guarantee suite compares 1 and N devices without them.
+
+A mixture of experts' load-balancing loss (Switch Transformer's; Hugging Face's MoE models add it with
+`output_router_logits=True`) multiplies two means over the batch's tokens: the share routed to each expert and its
+mean router probability. Each rank computes it over its own tokens, so N devices balance N smaller batches.
+`router_balance_loss` counts the shares over every rank's tokens (one all-reduce of 2 x experts + 1 numbers), which
+gives 1 device's gradient on N; it spans the global batch like `gather_batch`. The manual: vendor/ddpkit/docs/losses.md.
 """
 
 from dataclasses import dataclass
@@ -115,6 +121,46 @@ class MicroBatchesRefused(RuntimeError):
 def spans_global_batch(module) -> bool:
     """Whether the module declares `loss_spans_global_batch = True`."""
     return getattr(module, SPANS_GLOBAL_BATCH, False) is True
+
+
+def router_balance_loss(
+    router_logits: Tensor | tuple[Tensor, ...],
+    top_k: int,
+    module: LightningModule,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """The load-balancing loss of a mixture of experts' routers over the global batch, to add (times its
+    coefficient) to the loss `training_step` returns: experts x the sum over experts of (the share of tokens routed
+    to the expert: its `top_k` choices counted) x (its mean router probability), both over every layer's tokens and
+    every rank's, as Hugging Face's `load_balancing_loss_func` computes them over one batch. `router_logits`: one
+    (tokens, experts) tensor per layer (Hugging Face's `out.router_logits`); `attention_mask` leaves padding out.
+    On 1 device, Hugging Face's value; on N, the same gradient (each rank's probabilities over the global count, the
+    shares all-reduced). Refused under micro-batches, like `gather_batch`: declare `loss_spans_global_batch = True`."""
+    layers = tuple(router_logits) if isinstance(router_logits, tuple | list) else (router_logits,)
+    dtype = torch.promote_types(layers[0].dtype, torch.float32)
+    experts = layers[0].shape[-1]
+    weight = None if attention_mask is None else attention_mask.reshape(-1).to(device=layers[0].device, dtype=dtype)
+    counts, probabilities, rows = layers[0].new_zeros(experts, dtype=dtype), 0, 0
+    for logits in layers:
+        p = torch.softmax(logits.to(dtype), dim=-1)
+        w = torch.ones_like(p[:, 0]) if weight is None else weight
+        counts = counts.scatter_add(0, p.topk(top_k, dim=-1).indices.reshape(-1), w.repeat_interleave(top_k))
+        probabilities, rows = probabilities + (p * w[:, None]).sum(0), rows + w.sum()
+    trainer = module.trainer
+    if not trainer.training:
+        return experts * (counts / rows * probabilities / rows).sum()
+    if trainer.accumulate_grad_batches > 1:
+        raise MicroBatchesRefused(
+            f"router_balance_loss in {type(module).__name__}: with {trainer.accumulate_grad_batches} micro-batches "
+            "per step each would count only its own tokens, not the global batch's: leave micro_batch_size unset"
+        )
+    local = torch.cat([counts, probabilities.detach(), rows.detach()[None]])
+    every = trainer.strategy.reduce(local.to(torch.float64), reduce_op="sum").to(dtype)
+    share, total = every[:experts] / every[-1], every[-1]
+    # DDP averages the ranks' gradients: each rank's probabilities over the global count, times the world size.
+    loss = experts * (share * probabilities).sum() / total * trainer.world_size
+    value = experts * (share * every[experts:-1]).sum() / total  # the global batch's, the same on every rank
+    return loss + (value - loss.detach())
 
 
 def gather_batch(tensor: Tensor, module: LightningModule) -> Tensor:

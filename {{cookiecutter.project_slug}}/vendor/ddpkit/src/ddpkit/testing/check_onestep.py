@@ -219,10 +219,24 @@ SPANS_HINT = (
 )
 
 
+# The same where the model also adds a Hugging Face MoE's router balance over each rank's own tokens.
+ROUTER_HINT = (
+    "The module declares a loss over the global batch (loss_spans_global_batch) and 2 devices' step differs from 1 "
+    "device's: its model still adds {aux}, over each rank's own tokens; set router_aux_loss_coef=0 in the model's "
+    "config and add `coef * ddpkit.router_balance_loss(out.router_logits, top_k, self, attention_mask)` to the loss "
+    "(the manual: vendor/ddpkit/docs/losses.md)\n"
+)
+
+
 def step_cause(one: dict, two: dict, exact: dict, steps: dict) -> str:
     """The line that heads a failed one-step check: the gradient's scale (gradient_scale), else, for a module that
-    declares a loss over the global batch, SPANS_HINT; else ""."""
-    return gradient_scale(one, two, exact) or (SPANS_HINT if steps.get("spans_batch") else "")
+    declares a loss over the global batch, ROUTER_HINT where its model adds a router balance of its own (the
+    configured facts' `router_aux`), else SPANS_HINT; else ""."""
+    if cause := gradient_scale(one, two, exact):
+        return cause
+    if not steps.get("spans_batch"):
+        return ""
+    return ROUTER_HINT.format(aux=steps["router_aux"]) if steps.get("router_aux") else SPANS_HINT
 
 
 def step_report(verdicts: list, limit: int = 8) -> str:

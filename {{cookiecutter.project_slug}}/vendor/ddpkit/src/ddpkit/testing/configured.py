@@ -27,7 +27,7 @@ from ..lightning_internals import BatchNormBase, ddp_kwargs
 from ..model.losses import spans_global_batch
 from ..run.init_args import init_arguments
 from .helpers import project, run_main
-from .loss_probe import batch_mean_line, probe_trainer
+from .loss_probe import batch_mean_line, probe_trainer, router_aux
 from .parity_probe import NoDropout, sample_keys
 
 
@@ -70,6 +70,8 @@ def _measure(args: list[str]) -> dict:
         "batchnorm": any(isinstance(m, BatchNormBase) for m in model.modules()),
         # A loss over the global batch's gathered rows: no micro-batch runs either (the CLI refuses them).
         "spans_batch": spans_global_batch(model),
+        # A Hugging Face MoE's router balance over each rank's tokens, in words: the one-step check's failure names it.
+        "router_aux": router_aux(model),
         **callback_facts(cli.trainer.callbacks),
     }
     if info["global_batch_data"]:

@@ -14,6 +14,12 @@ The model's code is any code outside torch, Lightning, torchmetrics and ddpkit: 
 probe hashes samples as float32; torchmetrics keeps its sums in their own dtype) and stay as they are. Both sides of
 every comparison run under the same callback, so nothing is judged against a run that rounds otherwise. A region
 compiled by torch.compile may keep its casts: a compiled kernel does not call back into Python.
+
+A kernel that has no float64 version would stop the run instead: torch's grouped matrix product (`torch._grouped_mm`,
+float32 and lower only), which Hugging Face's mixture-of-experts layers (Mixtral, Qwen-MoE, OLMoE; transformers 5's
+default `experts_implementation="grouped_mm"`) call for their experts, raised "Expected mat_a to be Float32, BFloat16
+or Float16 matrix, got Double" in the suite's first float64 run. Under the same callback it is computed in float64 as
+what it is, one matrix product per group, and recorded the same way.
 """
 
 import inspect
@@ -86,10 +92,30 @@ def _site(frame) -> tuple[bool, str]:
     return True, getattr(caller.f_code, "co_qualname", caller.f_code.co_name)
 
 
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, bias=None, out_dtype=None) -> Tensor | None:
+    """torch._grouped_mm in float64, as one product per group, for the layouts a mixture of experts uses: tokens
+    sorted by expert (a: tokens x in, b: experts x in x out, offs: each group's end row; rows past the last end stay
+    0) and batched (both 3-d, no offs). None for another layout, or a bias or an output dtype, which keep torch's."""
+    if bias is not None or out_dtype not in (None, torch.float64) or b.dim() != 3:
+        return None
+    if a.dim() == 3 and offs is None:
+        return torch.bmm(a, b)
+    if a.dim() != 2 or offs is None:
+        return None
+    ends = offs.tolist()
+    rows = [a[start:end] @ b[g] for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True))]
+    return torch.cat([*rows, a.new_zeros(a.shape[0] - ends[-1], b.shape[2])])
+
+
+# Kernels with no float64 version, and their float64 computation.
+NO_FLOAT64 = {getattr(torch, "_grouped_mm", _grouped_mm): _grouped_mm}  # torch < 2.8 has none
+
+
 class KeepFloat64(TorchFunctionMode):
     """While active, a cast of a float64 tensor to float32, float16 or bfloat16 in the model's code (`.to`, `.float`,
-    `.half`, `.bfloat16`, `.type`, `.type_as`, a `dtype=` argument such as softmax's) returns float64 instead.
-    `casts`: {module or function: {dtype it cast to: calls}}."""
+    `.half`, `.bfloat16`, `.type`, `.type_as`, a `dtype=` argument such as softmax's) returns float64 instead, and a
+    kernel with no float64 version (NO_FLOAT64) computes in float64. `casts`: {module or function: {dtype it cast to,
+    or the kernel: calls}}."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,20 +127,27 @@ class KeepFloat64(TorchFunctionMode):
         first = args[0] if args else None
         if not (isinstance(first, Tensor) and first.dtype == torch.float64):
             return func(*args, **kwargs)
+        if func in NO_FLOAT64 and (out := NO_FLOAT64[func](*args, **kwargs)) is not None:
+            self._record(inspect.currentframe().f_back, func.__name__)
+            return out
         target = _target(func, args, kwargs)
         if target not in LOWER or torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        caller = _caller(inspect.currentframe().f_back)
+        if not self._record(inspect.currentframe().f_back, str(target).removeprefix("torch.")):
+            return func(*args, **kwargs)
+        return _kept(func, args, kwargs)
+
+    def _record(self, frame, name: str) -> bool:
+        """Count `name` (a dtype cast to, or a kernel) under the module that called it, if that is the model's code."""
+        caller = _caller(frame)
         key = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else ("", 0)
         if key not in self.sites:
             self.sites[key] = _site(caller)
         ours, where = self.sites[key]
-        if not ours:
-            return func(*args, **kwargs)
-        counts = self.casts.setdefault(where, {})
-        name = str(target).removeprefix("torch.")
-        counts[name] = counts.get(name, 0) + 1
-        return _kept(func, args, kwargs)
+        if ours:
+            counts = self.casts.setdefault(where, {})
+            counts[name] = counts.get(name, 0) + 1
+        return ours
 
 
 class Float64Throughout(L.Callback):
@@ -146,9 +179,17 @@ class Float64Throughout(L.Callback):
 
 
 def summary(casts: dict[str, dict[str, int]]) -> list[str]:
-    """One line per module that cast down in a float64 run, for the session's summary."""
-    return [
-        f"{where} casts float64 to {', '.join(sorted(to))} inside the float64 runs: the suite keeps it in float64"
-        " (Float64Throughout)"
-        for where, to in sorted(casts.items())
-    ]
+    """One line per module that cast down, or called a kernel with no float64 version, in a float64 run, for the
+    session's summary."""
+    lines = []
+    for where, names in sorted(casts.items()):
+        to = ", ".join(sorted(name for name in names if not name.startswith("_")))
+        kernels = ", ".join(f"torch.{name}" for name in sorted(names) if name.startswith("_"))
+        if to:
+            lines.append(f"{where} casts float64 to {to} inside the float64 runs: the suite keeps it in float64")
+        if kernels:
+            lines.append(
+                f"{where} calls {kernels}, which has no float64 kernel: the suite's float64 runs compute it in "
+                "float64, one matrix product per group"
+            )
+    return [f"{line} (Float64Throughout)" for line in lines]

@@ -104,10 +104,10 @@ def batch_mean_line(model, data) -> str:
     order = by_size(data)
     try:
         split = split_step(model, data, padded_alike(order))
-    except MicroBatchesRefused:
+    except MicroBatchesRefused as refused:  # "gather_batch in ...", "router_balance_loss in ..."
         return (
-            f"{type(model).__name__}'s loss compares its rows with every rank's (ddpkit.gather_batch) but does not say "
-            "so: set `loss_spans_global_batch = True` on the module, and micro-batches are refused and the suite "
+            f"{type(model).__name__}'s loss reads every rank's batch (ddpkit.{str(refused).split()[0]}) but does not "
+            "say so: set `loss_spans_global_batch = True` on the module, and micro-batches are refused and the suite "
             "compares 1 and N devices without them (the manual: vendor/ddpkit/docs/losses.md)"
         )
     if split is None:
@@ -119,6 +119,18 @@ def batch_mean_line(model, data) -> str:
         if abs(ratio - 1) > APART:
             return summed_line(model, ratio)
         return padding_line(model, data, order)
+    if aux := router_aux(model):
+        return (
+            f"{type(model).__name__}'s loss adds {aux}, which multiplies two means over the batch's tokens (the share "
+            "routed to each expert, its mean probability), so each rank balances only its own tokens and N devices "
+            "cannot train 1 device's weights (one float64 step on 1 device from the same weights: the global batch "
+            f"in 2 micro-batches gives a gradient {apart:.2g} of the whole batch's apart in direction, most in "
+            f"{worst}): to balance the global batch, set router_aux_loss_coef=0 in the model's config, add "
+            "`coef * ddpkit.router_balance_loss(out.router_logits, top_k, self, attention_mask)` to the loss and set "
+            "`loss_spans_global_batch = True` on the module; to keep each device's own balance, as Hugging Face's "
+            "Trainer does, only the rest can be checked: set router_aux_loss_coef to 0 for the checks in PARITY_ARGS "
+            "(the manual: vendor/ddpkit/docs/losses.md)"
+        )
     return (
         f"{type(model).__name__}'s loss of a batch is not the mean of its samples' losses: it divides by a count the "
         f"batch works out (tokens, a mask, class weights) or is a ratio over the batch (a Dice), so each rank and each "
@@ -131,6 +143,20 @@ def batch_mean_line(model, data) -> str:
         "gather_with_grad=True), and then declares it with `loss_spans_global_batch = True` on the module "
         "(the manual: vendor/ddpkit/docs/losses.md)"
     )
+
+
+def router_aux(model) -> str:
+    """The router load-balancing loss a Hugging Face mixture of experts inside `model` adds to its loss (its config's
+    `output_router_logits` on and `router_aux_loss_coef` above 0), in words; "" where there is none."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        coef = getattr(config, "router_aux_loss_coef", None)
+        if getattr(config, "output_router_logits", False) is True and isinstance(coef, int | float) and coef > 0:
+            return (
+                f"{type(module).__name__}'s router load-balancing loss (output_router_logits=True, "
+                f"router_aux_loss_coef={coef:g})"
+            )
+    return ""
 
 
 def summed_line(model, ratio: float) -> str:

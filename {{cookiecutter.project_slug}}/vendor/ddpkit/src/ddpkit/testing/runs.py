@@ -113,6 +113,7 @@ def plan(configured: dict) -> dict:
         "sizes": {stage: configured.get(f"{key}_size", 1) for stage, key in STAGE_SETS.items()},
         "batchnorm": batchnorm,
         "spans_batch": spans,
+        "router_aux": configured.get("router_aux", ""),
         "averaging": configured.get("averaging", []),
         "swa": configured.get("swa", False),
         # The one-step check's points, in global batches: after the first optimizer step, at epoch 0's end and after
