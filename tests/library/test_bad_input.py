@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.cli import OptimizerCallable
 from procs import TESTS, concurrently, fake_gpus_env, run, toy, toy_ok
 from streams import PlainStream
+from test_lightning_internals import KeepsOptimizer
 
 from ddpkit.run import checks
 from ddpkit.run.cli import (
@@ -156,30 +156,20 @@ def test_bad_input_fails_fast_with_one_line(outcomes, name):
     assert "code from the checkpoint ran" not in out
 
 
-class TakesOptimizer(ToyClassifier):
-    """The toy classifier taking its optimizer as an argument, as LightningCLI's docs write it."""
-
-    def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.optimizer = optimizer
-
-    def configure_optimizers(self):
-        return self.optimizer(self.parameters())
-
-
-class HandsItOn(TakesOptimizer):
+class HandsItOn(KeepsOptimizer):
     """A subclass that takes its parent's arguments, the optimizer among them, as `**kwargs`."""
 
     def __init__(self, extra: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
 
 
-@pytest.mark.parametrize("model", ["TakesOptimizer", "HandsItOn", "ToyClassifier"])
+@pytest.mark.parametrize("model", ["KeepsOptimizer", "HandsItOn", "ToyClassifier"])
 def test_lightnings_optimizer_flag_is_refused_where_the_model_takes_an_optimizer(capsys, model):
     """`--optimizer SGD` would replace the model's configure_optimizers and drop its own optimizer: refused with one
     line for a model that takes one, also through `**kwargs`; a model that takes none gets LightningCLI's SGD.
     Mutation: the model's signature alone asked (HandsItOn's shows `kwargs`): it trains with SGD, silently."""
-    path = "ddpkit.testing.toy.ToyClassifier" if model == "ToyClassifier" else f"test_bad_input.{model}"
+    homes = {"ToyClassifier": "ddpkit.testing.toy", "KeepsOptimizer": "test_lightning_internals"}
+    path = f"{homes.get(model, 'test_bad_input')}.{model}"
     args = ["--model", path, "--optimizer", "torch.optim.SGD", "--trainer.logger", "false"]
     if model == "ToyClassifier":
         cli = toy_main(args, run=False)
