@@ -3,6 +3,7 @@ cast of a float64 tensor to a lower type in a model's code gives float64, the va
 new tensor, and is recorded under its module; casts of other dtypes, bit views and the suite's own casts are left as
 they are; the callback acts in "64-true" runs only, and every float64 command of the suite carries it."""
 
+import copy
 import json
 
 import lightning as L
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddpkit.testing import commands as suite_commands
-from ddpkit.testing.float64 import Float64Throughout, KeepFloat64, summary
+from ddpkit.lightning_internals import grouped_mm_operator
+from ddpkit.testing.float64 import Float64Throughout, KeepFloat64, KeepFloat64Dispatch, summary
 from ddpkit.testing.parity_probe import sample_keys
 
 
@@ -184,29 +186,70 @@ class Experts(nn.Module):
 
 def test_a_grouped_product_with_no_float64_kernel_computes_in_float64_and_is_recorded():
     """torch._grouped_mm has no float64 kernel (it raises on float64, which stopped a Hugging Face Mixtral's first
-    float64 run); under the mode it gives each token's product with its expert's weight in float64, and the
-    gradients, within float64's rounding, what torch's float32 kernel gives within float32's, rows past the last
-    group 0; recorded under the module. Expert 1 gets no token. Mutations: the kernel not intercepted (the float64
-    error), a group's rows shifted by one (6e-1 apart)."""
-    if not hasattr(torch, "_grouped_mm"):  # torch < 2.8: no grouped product for a model to call, nothing to keep
+    float64 run); under the modes it gives each token's product with its expert's weight in float64, and the
+    gradients (torch's derivative calls the product again, in two other layouts), within float64's rounding, what
+    torch's float32 kernel gives within float32's, rows past the last group 0; recorded under the module. Expert 1
+    gets no token. Mutations: the kernel not intercepted (the float64 error), a group's rows shifted by one."""
+    if not hasattr(torch, "_grouped_mm"):  # torch 2.4: no grouped product for a model to call, nothing to keep
+        assert grouped_mm_operator() is None
         return
     torch.manual_seed(0)
     experts, x, ends = Experts(), torch.randn(10, 8, dtype=torch.float64, requires_grad=True), torch.tensor([3, 3, 9])
     with pytest.raises(RuntimeError, match="got Double"):
         experts(x, ends.int())
-    with KeepFloat64() as mode:
+    with KeepFloat64() as mode, KeepFloat64Dispatch(mode):
         out = experts(x, ends.int())
+        recorded = copy.deepcopy(mode.casts)  # the forward's
+        got = torch.autograd.grad(out[:9].pow(2).sum(), (x, experts.weight))  # torch's derivative: 2 more products
     group = [0, 0, 0, 2, 2, 2, 2, 2, 2]
     each = torch.stack([x[t] @ experts.weight[g] for t, g in enumerate(group)])
     assert out.dtype == torch.float64 and (out[:9] - each).abs().max() <= 1e-12 * each.abs().max()
     assert torch.equal(out[9], torch.zeros(4, dtype=torch.float64))
     float32 = torch._grouped_mm(x.detach().float(), experts.weight.detach().float(), offs=ends.int())
     assert (out[:9] - float32[:9]).abs().max() <= 1e-5 * each.abs().max()
-    got = torch.autograd.grad(out[:9].pow(2).sum(), (x, experts.weight))
     want = torch.autograd.grad(each.pow(2).sum(), (x, experts.weight))
     assert all((g - w).abs().max() <= 1e-12 * w.abs().max() for g, w in zip(got, want, strict=True))
-    assert mode.casts == {"Experts": {"_grouped_mm": 1}}
-    assert summary(mode.casts) == [
+    assert recorded == {"Experts": {"_grouped_mm": 1}}
+    assert summary(recorded) == [
         "Experts calls torch._grouped_mm, which has no float64 kernel: the suite's float64 runs compute it in float64, "
         "one matrix product per group (Float64Throughout)"
     ]
+
+
+class Checkpointed(nn.Module):
+    """A CastingNorm and, where torch has one, the grouped product, run under activation checkpointing (Hugging
+    Face's `gradient_checkpointing`): torch recomputes the forward during the backward pass."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.norm, self.experts, self.reentrant = CastingNorm(8), Experts(), reentrant
+
+    def block(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        if hasattr(torch, "_grouped_mm"):
+            x = self.experts(x, torch.tensor([3, 3, 10], dtype=torch.int32))
+        return x.tanh()
+
+    def forward(self, x: Tensor, checkpointed: bool) -> Tensor:
+        if not checkpointed:
+            return self.block(x)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_forward_recomputed_by_activation_checkpointing_casts_and_multiplies_as_the_forward_did(reentrant):
+    """Under activation checkpointing torch recomputes the forward in the backward pass, where no function mode is
+    active: the recomputation keeps float64 where the forward did (KeepFloat64Dispatch), so checkpoint finds the
+    tensors it saved and the gradients equal those of the same float64 step without checkpointing, bit for bit.
+    Mutations: KeepFloat64Dispatch without its casts (CheckpointError: different metadata), the grouped product
+    kept at the function level only (CheckpointError: a different number of tensors saved)."""
+    torch.manual_seed(0)
+    model, x = Checkpointed(reentrant).double(), torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for checkpointed in (False, True):
+        model.zero_grad(), setattr(x, "grad", None)
+        with KeepFloat64() as mode, KeepFloat64Dispatch(mode):
+            model(x, checkpointed).pow(2).sum().backward()  # reentrant checkpointing takes no autograd.grad
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert mode.casts["CastingNorm"] == {"float32": 2}  # the forward's and the recomputation's

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every BatchNorm*d, and SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (testing/float64.py's base class)
 from torchmetrics import Metric
 
 # (owner, attribute): what must exist for the helpers below to work. Instance attributes (a DDPStrategy's
@@ -45,6 +46,8 @@ PRIVATE_NAMES: list[tuple[Any, str]] = [
     (torch.distributed.distributed_c10d, "_get_default_store"),
     (DDPStrategy, "_setup_model"),  # CurrentStreamDDPStrategy
     (Metric, "_sync_dist"),  # gather_uneven_lists; a metric's `_reductions` and `_defaults` are tested through it
+    # The base class of a mode that sees every operator, in backward passes too; public in the docs, private by path.
+    (torch.utils._python_dispatch, "TorchDispatchMode"),
 ]
 
 
@@ -319,3 +322,10 @@ def _sync_uneven_lists(metric: Metric, dist_sync_fn: Callable | None = None, pro
         type(metric)._sync_dist(metric, dist_sync_fn, process_group=process_group)
     finally:
         metric._reductions = reductions
+
+
+def grouped_mm_operator() -> Any:
+    """The dispatcher's grouped matrix product (`aten::_grouped_mm`, what `torch._grouped_mm` and, from torch 2.10,
+    `torch.nn.functional.grouped_mm` call), or None where this torch has none (2.4 has none; it landed in 2025)."""
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    return None if op is None else op.default

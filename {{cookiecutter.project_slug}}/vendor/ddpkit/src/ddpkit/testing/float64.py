@@ -19,7 +19,9 @@ A kernel that has no float64 version would stop the run instead: torch's grouped
 float32 and lower only), which Hugging Face's mixture-of-experts layers (Mixtral, Qwen-MoE, OLMoE; transformers 5's
 default `experts_implementation="grouped_mm"`) call for their experts, raised "Expected mat_a to be Float32, BFloat16
 or Float16 matrix, got Double" in the suite's first float64 run. Under the same callback it is computed in float64 as
-what it is, one matrix product per group, and recorded the same way.
+what it is, one matrix product per group, and recorded the same way. That, and the casts of a forward that activation
+checkpointing recomputes during the backward pass (where torch activates no function mode), happen at the
+dispatcher's level (`KeepFloat64Dispatch`, active beside `KeepFloat64`).
 """
 
 import inspect
@@ -31,6 +33,8 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from ..lightning_internals import TorchDispatchMode, grouped_mm_operator
 
 LOWER = (torch.float32, torch.float16, torch.bfloat16)
 # Whose casts stay as they are: the frameworks' and the suite's own (their packages' folders).
@@ -72,8 +76,11 @@ def _kept(func, args: tuple, kwargs: dict) -> Tensor:
 
 
 def _caller(frame):
-    """The first frame outside torch (a call through torch.nn.functional is its caller's)."""
-    while frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
+    """The first frame outside torch and this module (a call through torch.nn.functional is its caller's; an operator
+    that KeepFloat64 let through reaches KeepFloat64Dispatch from KeepFloat64's frame)."""
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(TORCH_DIR) or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back
     return frame
 
@@ -93,29 +100,33 @@ def _site(frame) -> tuple[bool, str]:
 
 
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, bias=None, out_dtype=None) -> Tensor | None:
-    """torch._grouped_mm in float64, as one product per group, for the layouts a mixture of experts uses: tokens
-    sorted by expert (a: tokens x in, b: experts x in x out, offs: each group's end row; rows past the last end stay
-    0) and batched (both 3-d, no offs). None for another layout, or a bias or an output dtype, which keep torch's."""
-    if bias is not None or out_dtype not in (None, torch.float64) or b.dim() != 3:
+    """torch._grouped_mm in float64, as one product per group, for the layouts of a mixture of experts and of its
+    gradient: tokens sorted by expert (a: tokens x in, b: experts x in x out, offs: each group's end row; rows past
+    the last end stay 0), the weights' gradient (a: in x tokens, b: tokens x out, offs over the tokens: experts x in x
+    out) and batched (both 3-d, no offs). None for another layout, a bias or an output dtype: torch's then."""
+    if bias is not None or out_dtype not in (None, torch.float64):
         return None
-    if a.dim() == 3 and offs is None:
+    if a.dim() == 3 and b.dim() == 3 and offs is None:
         return torch.bmm(a, b)
-    if a.dim() != 2 or offs is None:
+    if offs is None or a.dim() != 2 or b.dim() not in (2, 3):
         return None
     ends = offs.tolist()
-    rows = [a[start:end] @ b[g] for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True))]
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
+    if b.dim() == 2:
+        return torch.stack([a[:, start:end] @ b[start:end] for start, end in spans])
+    rows = [a[start:end] @ b[g] for g, (start, end) in enumerate(spans)]
     return torch.cat([*rows, a.new_zeros(a.shape[0] - ends[-1], b.shape[2])])
 
 
-# Kernels with no float64 version, and their float64 computation.
-NO_FLOAT64 = {getattr(torch, "_grouped_mm", _grouped_mm): _grouped_mm}  # torch < 2.8 has none
+# The dispatcher's operators with no float64 kernel, and their float64 computation (torch < 2.8 has no grouped
+# product).
+NO_FLOAT64 = {op: _grouped_mm for op in [grouped_mm_operator()] if op is not None}
 
 
 class KeepFloat64(TorchFunctionMode):
     """While active, a cast of a float64 tensor to float32, float16 or bfloat16 in the model's code (`.to`, `.float`,
-    `.half`, `.bfloat16`, `.type`, `.type_as`, a `dtype=` argument such as softmax's) returns float64 instead, and a
-    kernel with no float64 version (NO_FLOAT64) computes in float64. `casts`: {module or function: {dtype it cast to,
-    or the kernel: calls}}."""
+    `.half`, `.bfloat16`, `.type`, `.type_as`, a `dtype=` argument such as softmax's) returns float64 instead.
+    `casts`: {module or function: {dtype it cast to, or a kernel KeepFloat64Dispatch computed: calls}}."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,17 +138,14 @@ class KeepFloat64(TorchFunctionMode):
         first = args[0] if args else None
         if not (isinstance(first, Tensor) and first.dtype == torch.float64):
             return func(*args, **kwargs)
-        if func in NO_FLOAT64 and (out := NO_FLOAT64[func](*args, **kwargs)) is not None:
-            self._record(inspect.currentframe().f_back, func.__name__)
-            return out
         target = _target(func, args, kwargs)
         if target not in LOWER or torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        if not self._record(inspect.currentframe().f_back, str(target).removeprefix("torch.")):
+        if not self.record(inspect.currentframe().f_back, str(target).removeprefix("torch.")):
             return func(*args, **kwargs)
         return _kept(func, args, kwargs)
 
-    def _record(self, frame, name: str) -> bool:
+    def record(self, frame, name: str) -> bool:
         """Count `name` (a dtype cast to, or a kernel) under the module that called it, if that is the model's code."""
         caller = _caller(frame)
         key = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else ("", 0)
@@ -150,17 +158,50 @@ class KeepFloat64(TorchFunctionMode):
         return ours
 
 
+class KeepFloat64Dispatch(TorchDispatchMode):
+    """What KeepFloat64 cannot do as a function mode, at the dispatcher's level, recorded into its record:
+
+    - a kernel with no float64 version (NO_FLOAT64) computes in float64, in the forward and in its own gradient's
+      backward (torch's derivative of the grouped product calls it again);
+    - during a backward pass torch activates no function mode, only dispatch modes: a forward that activation
+      checkpointing recomputes there (torch.utils.checkpoint; Hugging Face's `gradient_checkpointing`) must cast as
+      the forward did, or checkpoint stops ("Recomputed values ... have different metadata"). An operator's `dtype=`
+      below float64 from the model's code keeps float64 (every spelling of a cast arrives as `_to_copy`); in the
+      forward, KeepFloat64 has already turned those into float64.
+    """
+
+    def __init__(self, forward: KeepFloat64) -> None:
+        super().__init__()
+        self.forward = forward
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if not (isinstance(first, Tensor) and first.dtype == torch.float64):
+            return func(*args, **kwargs)
+        if func in NO_FLOAT64 and (out := NO_FLOAT64[func](*args, **kwargs)) is not None:
+            self.forward.record(inspect.currentframe().f_back, "_grouped_mm")
+            return out
+        target = kwargs.get("dtype")
+        if target in LOWER and self.forward.record(inspect.currentframe().f_back, str(target).removeprefix("torch.")):
+            return func(*args, **{**kwargs, "dtype": torch.float64})
+        return func(*args, **kwargs)
+
+
 class Float64Throughout(L.Callback):
-    """Runs fit, validate, test and predict of a "64-true" run under KeepFloat64 (nothing in other precisions);
-    rank 0 writes where it kept float64 to <default_root_dir>/probe/float64-casts.json."""
+    """Runs fit, validate, test and predict of a "64-true" run under KeepFloat64 and KeepFloat64Dispatch (nothing in
+    other precisions); rank 0 writes where they kept float64 to <default_root_dir>/probe/float64-casts.json."""
 
     def __init__(self) -> None:
         self.mode: KeepFloat64 | None = None
+        self.dispatch: KeepFloat64Dispatch | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if trainer.precision == "64-true" and self.mode is None:
             self.mode = KeepFloat64()
             self.mode.__enter__()
+            self.dispatch = KeepFloat64Dispatch(self.mode)
+            self.dispatch.__enter__()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook after an exception: the mode would stay active in the process (the suite
@@ -170,6 +211,7 @@ class Float64Throughout(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.mode is None:
             return
+        self.dispatch.__exit__(None, None, None)
         self.mode.__exit__(None, None, None)
         if trainer.global_rank == 0:
             out = Path(trainer.default_root_dir) / "probe"
