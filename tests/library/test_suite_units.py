@@ -5,6 +5,7 @@ import functools
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -691,6 +692,42 @@ def test_a_run_whose_port_was_taken_starts_again(tmp_path):
     )
     with pytest.raises(AssertionError, match="^run o exited 2: error: no"):
         other()
+
+
+@pytest.mark.parametrize("kind", ["slurm", "torchrun"])
+def test_a_cluster_job_whose_port_was_taken_starts_again_in_a_clean_folder(tmp_path, monkeypatch, kind):
+    """A SLURM or torchrun-nodes job that failed on EADDRINUSE (another run took the free port it was given: CI of
+    2026-12-08, the oldest releases' SLURM job) starts again in a clean folder, at most PORT_RETRIES times more; a
+    job that fails otherwise is returned at once. The job itself is a stand-in here: the retries are what is tested
+    (the real jobs run in every suite session). Mutation: no retry (the first job's failure is returned)."""
+    tries: list[list[str]] = []
+
+    def job(folder: Path, outputs: list[str], code: int):
+        tries.append(sorted(p.name for p in folder.iterdir()) if folder.exists() else [])
+        folder.mkdir()
+        (folder / f"try{len(tries)}").touch()
+        if kind == "slurm":
+            return fake_cluster.SlurmJob(folder, [code], outputs, [], "")
+        return fake_cluster.ClusterRun(folder, [code, code], outputs)
+
+    def run(outputs_by_try: list[str]):
+        tries.clear()
+        codes = iter([1] * (len(outputs_by_try) - 1) + [0])
+        texts = iter(outputs_by_try)
+        if kind == "slurm":
+            monkeypatch.setattr(
+                fake_cluster, "_slurm_requeue_job", lambda tmp, *_: job(tmp, [next(texts)], next(codes))
+            )
+            return fake_cluster.slurm_requeue_job(tmp_path / "job", [], 4)
+        monkeypatch.setattr(fake_cluster, "_torchrun_nodes_job", lambda root, _: job(root, [next(texts)], next(codes)))
+        return fake_cluster.torchrun_nodes_job(tmp_path / "job", [])
+
+    taken = "RuntimeError: The server socket has failed to listen ... EADDRINUSE, message: address already in use"
+    result = run([taken, taken, "trained"])
+    assert result.codes[0] == 0 and tries == [[], [], []]  # 3 tries, each in an empty folder
+    shutil.rmtree(tmp_path / "job")
+    result = run(["error: rank 0 failed: ValueError: no", "trained"])
+    assert result.codes[0] == 1 and len(tries) == 1
 
 
 def test_evaluation_runs_only_for_the_stages_with_a_step_and_a_set():

@@ -7,7 +7,6 @@ Every run gets the suite's own arguments, then PARITY_ARGS (another model, a sma
 
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from .. import presets
 from .footprint import KEEP_CHECKPOINTS
-from .helpers import finish, headline, main_py, run_main, start
+from .helpers import PORT_RETRIES, PORT_TAKEN, finish, headline, main_py, run_main, start
 from .runs import Run, global_step
 
 # Every run's: the float64 runs compute in float64 where the model casts down (float64.py); other precisions untouched.
@@ -154,12 +153,6 @@ def sharded_args() -> list[str]:
         *("--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"),
         *("--trainer.callbacks+=ddpkit.testing.parity_probe.NoDropout", *parity_args()),
     ]
-
-
-# A rank that could not listen on its port: another run took the free port it was given in between (the runs start
-# together). Not the project's failure: the run starts again, in a clean folder, at most PORT_RETRIES times.
-PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
-PORT_RETRIES = 2
 
 
 def command(cmd: list[str], root: Path, log: Path, timeout: float = 420, ranks: int = 1) -> Callable[[], Run]:

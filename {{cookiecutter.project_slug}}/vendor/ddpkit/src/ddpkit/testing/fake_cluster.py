@@ -3,6 +3,7 @@ timeouts, and the two cluster jobs the suite runs with the project's own launch 
 cluster/slurm.sbatch)."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .helpers import project
+from .helpers import PORT_RETRIES, PORT_TAKEN, project
 
 # srun stand-in: starts SLURM_NNODES x SLURM_NTASKS_PER_NODE copies of its command with the per-task
 # variables real srun sets, each task's output in $FAKE_SRUN_LOGS/task<rank>.out, and forwards
@@ -168,9 +169,25 @@ class ClusterRun:
     outputs: list[str]
 
 
+def port_taken(codes: list[int], outputs: list[str]) -> bool:
+    """Whether a cluster job failed because another run took the free port it was given before its rendezvous
+    listened on it (the runs start together): not the project's failure. Seen in CI on 2026-12-08, a SLURM job of
+    the oldest releases' session; such a job starts again, with another port, at most PORT_RETRIES times."""
+    return any(codes) and any(PORT_TAKEN.search(out) for out in outputs)
+
+
 def torchrun_nodes_job(root: Path, args: list[str]) -> ClusterRun:
     """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost), `fit *args`; the agents'
-    outputs."""
+    outputs. Again, in a clean folder, where the rendezvous port was taken (port_taken)."""
+    for _ in range(PORT_RETRIES):
+        job = _torchrun_nodes_job(root, args)
+        if not port_taken(job.codes, job.outputs):
+            return job
+        shutil.rmtree(root)
+    return _torchrun_nodes_job(root, args)
+
+
+def _torchrun_nodes_job(root: Path, args: list[str]) -> ClusterRun:
     root.mkdir()
     port = free_port()
     env = base_env(NNODES="2", GPUS_PER_NODE="1", RDZV_ENDPOINT=f"localhost:{port}", RDZV_ID=f"test{port}")
@@ -199,7 +216,17 @@ def slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> Slurm
     SIGUSR1 (what `--signal=SIGUSR1@90` sends before the time limit) once epoch 1's last.ckpt is written, then
     the same job again, as `scontrol requeue` would start it. With the project's callbacks, as the other cluster
     runs: a callbacks file of the suite's own here replaced them, and a project whose training depends on one
-    (Lightning's EMAWeightAveraging) got a job without it, 0.17 apart from its 1-device run."""
+    (Lightning's EMAWeightAveraging) got a job without it, 0.17 apart from its 1-device run. Again, in a clean
+    folder, where its port was taken (port_taken)."""
+    for _ in range(PORT_RETRIES):
+        job = _slurm_requeue_job(tmp, args, steps_per_epoch)
+        if not port_taken(job.codes, [*job.first, *job.second]):
+            return job
+        shutil.rmtree(tmp)
+    return _slurm_requeue_job(tmp, args, steps_per_epoch)
+
+
+def _slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> SlurmJob:
     tmp.mkdir()
     env = slurm_env(tmp, nodes=2, tasks_per_node=1, job_id=SLURM_JOB_ID)
     root, tasks = tmp / "root", tmp / "tasks"

@@ -168,6 +168,12 @@ def run_main(
             rc.unlink(missing_ok=True)
 
 
+# A rank that could not listen on its port: another run took the free port it was given in between (the runs start
+# together). Not the project's failure: the run (commands.command) or the cluster job (fake_cluster) starts again,
+# in a clean folder, at most PORT_RETRIES times.
+PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+PORT_RETRIES = 2
+
 # Seconds a run's ranks may outlive it before they are killed: ddpkit's ranks exit within 1 s of their launcher.
 RANKS_GRACE = 10.0
 
