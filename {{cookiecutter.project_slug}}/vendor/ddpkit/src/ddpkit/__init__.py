@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 # The one place the version is written: hatchling reads it for the package ([tool.hatch.version]); a run
 # records it in its checkpoints, its logged hyperparameters and the doctor's report.
-__version__ = "0.15.2"
+__version__ = "0.15.3"
 
 # The public names, imported on first use (PEP 562): `python -m ddpkit.scaling` (the sweep's driver, --explain)
 # needs neither torch nor Lightning, and importing them for every `python -m ddpkit.<tool>` cost ~3 s of start-up.

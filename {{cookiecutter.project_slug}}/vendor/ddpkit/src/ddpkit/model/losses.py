@@ -115,7 +115,23 @@ def step_mean(module: LightningModule, step: int) -> float | None:
 
 
 class MicroBatchesRefused(RuntimeError):
-    """gather_batch under micro-batches (the guarantee suite's probe tells a module that gathers from this)."""
+    """gather_batch or router_balance_loss under micro-batches: `function` names which (the guarantee suite's probe
+    tells a module that reads every rank's batch from this)."""
+
+    def __init__(self, function: str, module: LightningModule, sees: str) -> None:
+        self.function = function
+        micro_batches = module.trainer.accumulate_grad_batches
+        super().__init__(
+            f"{function} in {type(module).__name__}: with {micro_batches} micro-batches per step each would {sees}, "
+            "not the global batch's: leave micro_batch_size unset"
+        )
+
+
+def refuse_micro_batches(function: str, module: LightningModule, sees: str) -> None:
+    """Raise MicroBatchesRefused where the module trains in micro-batches: `function` needs the whole global batch."""
+    trainer = module.trainer
+    if trainer.training and trainer.accumulate_grad_batches > 1:
+        raise MicroBatchesRefused(function, module, sees)
 
 
 def spans_global_batch(module) -> bool:
@@ -149,11 +165,7 @@ def router_balance_loss(
     trainer = module.trainer
     if not trainer.training:
         return experts * (counts / rows * probabilities / rows).sum()
-    if trainer.accumulate_grad_batches > 1:
-        raise MicroBatchesRefused(
-            f"router_balance_loss in {type(module).__name__}: with {trainer.accumulate_grad_batches} micro-batches "
-            "per step each would count only its own tokens, not the global batch's: leave micro_batch_size unset"
-        )
+    refuse_micro_batches("router_balance_loss", module, "count only its own tokens")
     local = torch.cat([counts, probabilities.detach(), rows.detach()[None]])
     every = trainer.strategy.reduce(local.to(torch.float64), reduce_op="sum").to(dtype)
     share, total = every[:experts] / every[-1], every[-1]
@@ -169,12 +181,7 @@ def gather_batch(tensor: Tensor, module: LightningModule) -> Tensor:
     rows. On 1 device, `tensor`. A rank's loss over its own rows against these, averaged over its rows, or the global
     batch's loss computed on every rank, then trains 1 device's weights under DDP's average. Every rank must give the
     same shape. Refused under micro-batches: a micro-batch would see only its own rows."""
-    trainer = module.trainer
-    if trainer.training and trainer.accumulate_grad_batches > 1:
-        raise MicroBatchesRefused(
-            f"gather_batch in {type(module).__name__}: with {trainer.accumulate_grad_batches} micro-batches per step "
-            "each would see only its own rows, not the global batch's: leave micro_batch_size unset"
-        )
+    refuse_micro_batches("gather_batch", module, "see only its own rows")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
     return _Gathered.apply(tensor)

@@ -50,7 +50,7 @@ import pytest
 import torch
 
 from .bounds import no_gradient
-from .loss_probe import multiple_of
+from .loss_probe import ROUTER_FIX, multiple_of
 from .parity_probe import digests
 from .runs import NUDGE, STEP_PRECISIONS, STEP_RECORDS, Run, Waves, comparable, optimizer_steps, reads
 
@@ -222,9 +222,8 @@ SPANS_HINT = (
 # The same where the model also adds a Hugging Face MoE's router balance over each rank's own tokens.
 ROUTER_HINT = (
     "The module declares a loss over the global batch (loss_spans_global_batch) and 2 devices' step differs from 1 "
-    "device's: its model still adds {aux}, over each rank's own tokens; set router_aux_loss_coef=0 in the model's "
-    "config and add `coef * ddpkit.router_balance_loss(out.router_logits, top_k, self, attention_mask)` to the loss "
-    "(the manual: vendor/ddpkit/docs/losses.md)\n"
+    f"device's: its model still adds {{aux}}, over each rank's own tokens; {ROUTER_FIX} (the manual: "
+    "vendor/ddpkit/docs/losses.md)\n"
 )
 
 

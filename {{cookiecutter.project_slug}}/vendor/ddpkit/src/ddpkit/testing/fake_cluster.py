@@ -10,8 +10,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -160,6 +162,9 @@ def last_weights(root: Path, global_step: int) -> dict[str, torch.Tensor]:
     return ckpt["state_dict"]
 
 
+Job = TypeVar("Job")  # a finished cluster job: ClusterRun or SlurmJob
+
+
 @dataclass
 class ClusterRun:
     """A finished cluster job: its default_root_dir, exit codes, and each process's output."""
@@ -176,15 +181,20 @@ def port_taken(codes: list[int], outputs: list[str]) -> bool:
     return any(codes) and any(PORT_TAKEN.search(out) for out in outputs)
 
 
+def again_where_port_taken(job: Callable[[], Job], folder: Path, outputs: Callable[[Job], list[str]]) -> Job:
+    """`job()`, and again in a clean `folder` (which it makes) where its port was taken, at most PORT_RETRIES times."""
+    for _ in range(PORT_RETRIES):
+        done = job()
+        if not port_taken(done.codes, outputs(done)):
+            return done
+        shutil.rmtree(folder)
+    return job()
+
+
 def torchrun_nodes_job(root: Path, args: list[str]) -> ClusterRun:
     """cluster/torchrun.sh as 2 agents x 1 process (c10d rendezvous on localhost), `fit *args`; the agents'
     outputs. Again, in a clean folder, where the rendezvous port was taken (port_taken)."""
-    for _ in range(PORT_RETRIES):
-        job = _torchrun_nodes_job(root, args)
-        if not port_taken(job.codes, job.outputs):
-            return job
-        shutil.rmtree(root)
-    return _torchrun_nodes_job(root, args)
+    return again_where_port_taken(lambda: _torchrun_nodes_job(root, args), root, lambda job: job.outputs)
 
 
 def _torchrun_nodes_job(root: Path, args: list[str]) -> ClusterRun:
@@ -218,12 +228,8 @@ def slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> Slurm
     runs: a callbacks file of the suite's own here replaced them, and a project whose training depends on one
     (Lightning's EMAWeightAveraging) got a job without it, 0.17 apart from its 1-device run. Again, in a clean
     folder, where its port was taken (port_taken)."""
-    for _ in range(PORT_RETRIES):
-        job = _slurm_requeue_job(tmp, args, steps_per_epoch)
-        if not port_taken(job.codes, [*job.first, *job.second]):
-            return job
-        shutil.rmtree(tmp)
-    return _slurm_requeue_job(tmp, args, steps_per_epoch)
+    job = lambda: _slurm_requeue_job(tmp, args, steps_per_epoch)  # noqa: E731
+    return again_where_port_taken(job, tmp, lambda done: [*done.first, *done.second])
 
 
 def _slurm_requeue_job(tmp: Path, args: list[str], steps_per_epoch: int) -> SlurmJob:

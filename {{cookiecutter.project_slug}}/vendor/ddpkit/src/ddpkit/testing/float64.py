@@ -180,7 +180,7 @@ class KeepFloat64Dispatch(TorchDispatchMode):
         if not (isinstance(first, Tensor) and first.dtype == torch.float64):
             return func(*args, **kwargs)
         if func in NO_FLOAT64 and (out := NO_FLOAT64[func](*args, **kwargs)) is not None:
-            self.forward.record(inspect.currentframe().f_back, "_grouped_mm")
+            self.forward.record(inspect.currentframe().f_back, func.overloadpacket.__name__)
             return out
         target = kwargs.get("dtype")
         if target in LOWER and self.forward.record(inspect.currentframe().f_back, str(target).removeprefix("torch.")):

@@ -104,9 +104,9 @@ def batch_mean_line(model, data) -> str:
     order = by_size(data)
     try:
         split = split_step(model, data, padded_alike(order))
-    except MicroBatchesRefused as refused:  # "gather_batch in ...", "router_balance_loss in ..."
+    except MicroBatchesRefused as refused:
         return (
-            f"{type(model).__name__}'s loss reads every rank's batch (ddpkit.{str(refused).split()[0]}) but does not "
+            f"{type(model).__name__}'s loss reads every rank's batch (ddpkit.{refused.function}) but does not "
             "say so: set `loss_spans_global_batch = True` on the module, and micro-batches are refused and the suite "
             "compares 1 and N devices without them (the manual: vendor/ddpkit/docs/losses.md)"
         )
@@ -125,8 +125,7 @@ def batch_mean_line(model, data) -> str:
             "routed to each expert, its mean probability), so each rank balances only its own tokens and N devices "
             "cannot train 1 device's weights (one float64 step on 1 device from the same weights: the global batch "
             f"in 2 micro-batches gives a gradient {apart:.2g} of the whole batch's apart in direction, most in "
-            f"{worst}): to balance the global batch, set router_aux_loss_coef=0 in the model's config, add "
-            "`coef * ddpkit.router_balance_loss(out.router_logits, top_k, self, attention_mask)` to the loss and set "
+            f"{worst}): to balance the global batch, {ROUTER_FIX} and set "
             "`loss_spans_global_batch = True` on the module; to keep each device's own balance, as Hugging Face's "
             "Trainer does, only the rest can be checked: set router_aux_loss_coef to 0 for the checks in PARITY_ARGS "
             "(the manual: vendor/ddpkit/docs/losses.md)"
@@ -143,6 +142,13 @@ def batch_mean_line(model, data) -> str:
         "gather_with_grad=True), and then declares it with `loss_spans_global_batch = True` on the module "
         "(the manual: vendor/ddpkit/docs/losses.md)"
     )
+
+
+# How to balance a Hugging Face MoE's routers over the global batch (this line and the one-step check's ROUTER_HINT).
+ROUTER_FIX = (
+    "set router_aux_loss_coef=0 in the model's config and add "
+    "`coef * ddpkit.router_balance_loss(out.router_logits, top_k, self, attention_mask)` to the loss"
+)
 
 
 def router_aux(model) -> str:
